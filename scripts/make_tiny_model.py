@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Build a tiny random-weight Llama model directory that vLLM can load, without any download.
+
+The directory holds a 2-layer Llama (hidden 256, bf16, safetensors), a byte-level BPE tokenizer trained here on a
+built-in English/Chinese corpus, and a ChatML-style chat template. The output is deterministic for a given --seed:
+the same weights and the same tokenizer every time, so greedy decoding gives the same token ids on every run.
+
+    python scripts/make_tiny_model.py --out /tmp/tiny-llm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set content = message['content'] %}"
+    "{% else %}{% set content = message['content'] | map(attribute='text') | join('\n') %}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+_EN_WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an have not which but all they "
+    "one their has more can will about been would what there when who out into up so some them other these "
+    "model data batch spark request token prompt output error table summary report customer invoice product "
+    "review weather translate explain write list short poem story question answer reason step number code "
+    "python function delta partition engine inference latency throughput memory cluster executor driver "
+    "please give three ideas about summarize following text sentence paragraph email reply polite formal "
+    "Paris London Tokyo Beijing Shanghai river mountain ocean city country history science music art"
+).split()
+_ZH_WORDS = (
+    "我们 你好 请 总结 以下 文本 核心 观点 数据 模型 推理 批量 处理 任务 结果 输出 错误 日志 用户 反馈 "
+    "情感 分析 意图 识别 信息 抽取 商品 描述 摘要 生成 审核 翻译 成 英文 中文 一句话 解释 什么 是 "
+    "大语言模型 离线 吞吐量 显存 集群 服务 部署 天气 北京 上海 今天 明天 为什么 如何 写 一首 诗"
+).split()
+
+
+def _corpus(seed: int, n_lines: int = 20000) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        if rng.random() < 0.3:
+            words = rng.choices(_ZH_WORDS, k=rng.randint(3, 15))
+            lines.append("".join(words) + rng.choice(["。", "？", "！", "，"]))
+        else:
+            words = rng.choices(_EN_WORDS, k=rng.randint(3, 20))
+            lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+        if rng.random() < 0.05:
+            lines.append(f"{rng.randint(0, 10**6)} {rng.random():.4f} {{\"key\": [{rng.randint(0, 99)}]}}")
+    return lines
+
+
+def build_tokenizer(out: Path, seed: int, vocab_size: int):
+    """Train a byte-level BPE tokenizer on the built-in corpus and save it with its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=2048,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def build_model(out: Path, *, seed: int = 0, vocab_size: int = 4096, hidden: int = 256, layers: int = 2,
+                max_len: int = 2048) -> Path:
+    """Write the model directory to ``out`` (replaced if present) and return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
+    try:
+        tokenizer = build_tokenizer(tmp, seed, vocab_size)
+        eos_ids = [tokenizer.convert_tokens_to_ids("<|end_of_text|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_len,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=eos_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        )
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos_ids}, indent=2)
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.chmod(0o755)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="model directory to create (replaced if it exists)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the weights")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size to train")
+    p.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings of the model")
+    args = p.parse_args(argv)
+    out = build_model(Path(args.out), seed=args.seed, vocab_size=args.vocab_size, max_len=args.max_len)
+    print(f"tiny model written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""spark_llm: offline LLM batch inference on Spark with vLLM.
+
+OpenAI Batch API JSONL files in; every line validated into a request or an error row; prompts counted with the
+model's tokenizer and spread over token-balanced partitions; one vLLM engine per Python worker; Delta tables plus
+OpenAI-format output/error files and a batch object out.
+
+    from spark_llm import BatchConfig, run_batch
+    result = run_batch(spark, BatchConfig(model="/models/llama", input="/data/batch.jsonl", output_dir="/out/b1"))
+
+Importing this package does not import vLLM or torch.
+"""
+
+from .config import BatchConfig, ConfigError
+from .errors import EngineStartError, ErrorCode
+
+__all__ = ["BatchConfig", "BatchResult", "ConfigError", "EngineStartError", "ErrorCode", "run_batch"]
+__version__ = "0.1.0"
+
+
+def run_batch(spark, config):  # noqa: D103 - documented in pipeline.run_batch
+    from .pipeline import run_batch as _run
+
+    return _run(spark, config)
+
+
+run_batch.__doc__ = "Run one batch end to end; see spark_llm.pipeline.run_batch."
+
+
+def __getattr__(name):
+    if name == "BatchResult":
+        from .report import BatchResult
+
+        return BatchResult
+    raise AttributeError(name)

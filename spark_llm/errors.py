@@ -1,0 +1,47 @@
+"""Error codes (OpenAI style) and the helpers that turn a failure into an error row."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Every ``code`` an error row can carry. The README lists them with when each is used."""
+
+    INVALID_ENCODING = "invalid_encoding"          # line is not valid UTF-8 / holds lone surrogates
+    LINE_TOO_LARGE = "line_too_large"              # line longer than max_line_bytes
+    INVALID_JSON = "invalid_json"                  # not JSON, not an object, or nested too deeply
+    INVALID_CUSTOM_ID = "invalid_custom_id"        # custom_id missing, null, not a string or empty
+    DUPLICATE_CUSTOM_ID = "duplicate_custom_id"    # a later line repeats an earlier custom_id
+    INVALID_METHOD = "invalid_method"              # method missing or not POST
+    UNSUPPORTED_ENDPOINT = "unsupported_endpoint"  # url not one of the served endpoints
+    INVALID_REQUEST = "invalid_request"            # body / messages / prompt / parameter malformed
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field the engine cannot honour
+    MODEL_NOT_FOUND = "model_not_found"            # body.model is not the served model name
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over max_model_len
+    ENGINE_ERROR = "engine_error"                  # the engine failed on this one request
+
+
+class RequestError(Exception):
+    """A request-level problem: becomes an error row with ``code`` and ``message``, never stops the job."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not be built on an executor; the job stops with this message."""
+
+
+def truncate(text: str | None, limit: int) -> str | None:
+    """Cut ``text`` to ``limit`` characters, marking the cut with an ellipsis."""
+    if text is None or len(text) <= limit:
+        return text
+    return text[: max(limit - 1, 0)] + "…"
+
+
+def describe_exception(exc: BaseException, limit: int = 1000) -> str:
+    """``"<ExceptionType>: <message>"``, bounded, for engine_error rows."""
+    return truncate(f"{type(exc).__name__}: {exc}", limit) or type(exc).__name__

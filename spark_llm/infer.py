@@ -1,0 +1,188 @@
+"""Inference over whole partitions with the worker's cached vLLM engine, and OpenAI response bodies.
+
+One ``mapInPandas`` task hands its entire partition to ``LLM.generate`` in one call so vLLM's continuous batching
+keeps the device busy. A request the engine rejects becomes that request's ``engine_error`` row (the failing batch is
+bisected to find it); a dead engine stops the task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from .engine import EngineSpec, get_engine
+from .errors import ErrorCode, describe_exception
+
+log = logging.getLogger(__name__)
+
+RESULT_FIELDS = ("id", "custom_id", "file", "line_number", "url", "request_id", "model", "text", "finish_reason",
+                 "prompt_tokens", "completion_tokens", "total_tokens", "created", "response_body", "request", "notes",
+                 "error_code", "error_message")
+
+
+@dataclass(frozen=True)
+class InferContext:
+    engine: EngineSpec
+    served_model_name: str
+    batch_id: str
+
+
+# ---- OpenAI bodies -------------------------------------------------------------------------------------------
+
+def _finish_reason(reason: Optional[str]) -> str:
+    return reason if reason in ("stop", "length") else (reason or "stop")
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "replace"))
+
+
+def _positions(choice: Any, k: int) -> Iterator[tuple[str, Optional[float], list]]:
+    """Per generated token: its text, its logprob and the k most likely alternatives (rank 1..k)."""
+    for tok_id, pos in zip(choice.token_ids, choice.logprobs):
+        chosen = pos.get(tok_id)
+        token = (chosen.decoded_token if chosen is not None else None) or ""
+        tops = sorted((lp for lp in pos.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+        yield token, (float(chosen.logprob) if chosen is not None else None), tops
+
+
+def chat_logprobs(choice: Any, k: Optional[int]) -> Optional[dict]:
+    if choice.logprobs is None or k is None:
+        return None
+    content = [{"token": token, "logprob": lp, "bytes": _token_bytes(token),
+                "top_logprobs": [{"token": t.decoded_token or "", "logprob": float(t.logprob),
+                                  "bytes": _token_bytes(t.decoded_token or "")} for t in tops]}
+               for token, lp, tops in _positions(choice, k)]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(choice: Any, k: Optional[int]) -> Optional[dict]:
+    if choice.logprobs is None or k is None:
+        return None
+    tokens, token_lps, top, offsets, offset = [], [], [], [], 0
+    for token, lp, tops in _positions(choice, k):
+        tokens.append(token)
+        token_lps.append(lp)
+        top.append({t.decoded_token or "": float(t.logprob) for t in tops})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def response_body(kind: str, output: Any, request_id: str, model: str, created: int,
+                  logprobs_k: Optional[int]) -> dict:
+    """A complete OpenAI ChatCompletion / Completion object for one vLLM ``RequestOutput``."""
+    prompt_tokens = len(output.prompt_token_ids or [])
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    suffix = request_id.split("_", 1)[1]
+    if kind == "chat":
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": chat_logprobs(c, logprobs_k),
+                    "finish_reason": _finish_reason(c.finish_reason)} for c in output.outputs]
+        return {"id": f"chatcmpl-{suffix}", "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage, "system_fingerprint": None}
+    choices = [{"index": c.index, "text": c.text, "logprobs": completion_logprobs(c, logprobs_k),
+                "finish_reason": _finish_reason(c.finish_reason)} for c in output.outputs]
+    return {"id": f"cmpl-{suffix}", "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage, "system_fingerprint": None}
+
+
+# ---- the partition function ------------------------------------------------------------------------------------
+
+def _is_fatal(exc: BaseException) -> bool:
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # pragma: no cover - other vLLM layouts
+        return False
+    return isinstance(exc, EngineDeadError)
+
+
+def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence, params: Sequence,
+                       is_fatal: Callable[[BaseException], bool] = _is_fatal) -> list:
+    """Run ``generate`` on all requests at once; if it raises a non-fatal error, bisect to find the request(s)
+    responsible. Returns, per request, either its output or the exception it caused."""
+    if not prompts:
+        return []
+    try:
+        outs = list(generate(list(prompts), list(params)))
+        if len(outs) != len(prompts):
+            raise RuntimeError(f"engine returned {len(outs)} outputs for {len(prompts)} requests")
+        return outs
+    except Exception as exc:
+        if is_fatal(exc):
+            raise
+        if len(prompts) == 1:
+            return [exc]
+        mid = len(prompts) // 2
+        log.warning("engine call over %d requests failed (%s); isolating the failing request(s)", len(prompts),
+                    type(exc).__name__)
+        return (generate_isolating(generate, prompts[:mid], params[:mid], is_fatal)
+                + generate_isolating(generate, prompts[mid:], params[mid:], is_fatal))
+
+
+def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
+    """mapInPandas body: every request of the partition in one engine call; one result row per input row."""
+    import pandas as pd
+
+    frames = [pdf for pdf in batches if len(pdf)]
+    if not frames:
+        return
+    pdf = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
+    n = len(pdf)
+    from vllm import SamplingParams
+
+    rows: list[Optional[dict]] = [None] * n
+    prompts, params, index = [], [], []
+    for i in range(n):
+        base = _base_row(pdf, i, ctx)
+        rows[i] = base
+        try:
+            sp = SamplingParams(**json.loads(pdf["sampling_json"].iat[i]))
+        except Exception as exc:
+            base.update(error_code=ErrorCode.INVALID_REQUEST.value,
+                        error_message=f"sampling parameters rejected by the engine: {describe_exception(exc)}")
+            continue
+        prompts.append({"prompt_token_ids": [int(t) for t in pdf["prompt_token_ids"].iat[i]]})
+        params.append(sp)
+        index.append(i)
+
+    engine, load_s = get_engine(ctx.engine)
+    t0 = time.monotonic()
+    results = generate_isolating(lambda p, s: engine.generate(p, s, use_tqdm=False), prompts, params)
+    log.info("partition: %d requests in %.1fs (engine load %.1fs)", len(prompts), time.monotonic() - t0, load_s)
+    created = int(time.time())
+    for i, res in zip(index, results):
+        row = rows[i]
+        if isinstance(res, BaseException):
+            row.update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=describe_exception(res))
+            continue
+        k = json.loads(pdf["sampling_json"].iat[i]).get("logprobs")
+        body = response_body(pdf["kind"].iat[i], res, row["request_id"], ctx.served_model_name, created, k)
+        first = body["choices"][0]
+        row.update(
+            text=first["message"]["content"] if "message" in first else first["text"],
+            finish_reason=first["finish_reason"], created=created,
+            prompt_tokens=body["usage"]["prompt_tokens"], completion_tokens=body["usage"]["completion_tokens"],
+            total_tokens=body["usage"]["total_tokens"],
+            response_body=json.dumps(body, ensure_ascii=False, separators=(",", ":")),
+        )
+    if len(rows) != n:  # the conservation check: one result per request, in order
+        raise AssertionError(f"inference produced {len(rows)} rows for {n} requests")
+    out = pd.DataFrame(rows, columns=list(RESULT_FIELDS))
+    for col in ("line_number", "prompt_tokens", "completion_tokens", "total_tokens", "created"):
+        out[col] = out[col].astype("Int64")
+    yield out
+
+
+def _base_row(pdf: Any, i: int, ctx: InferContext) -> dict:
+    row = dict.fromkeys(RESULT_FIELDS)
+    row.update(id=pdf["id"].iat[i], custom_id=pdf["custom_id"].iat[i], file=pdf["file"].iat[i],
+               line_number=int(pdf["line_number"].iat[i]), url=pdf["url"].iat[i], request_id=pdf["request_id"].iat[i],
+               model=ctx.served_model_name, request=pdf["request"].iat[i], notes=pdf["notes"].iat[i],
+               prompt_tokens=int(pdf["prompt_tokens"].iat[i]))
+    return row

@@ -1,0 +1,142 @@
+"""Token-balanced repartitioning: every inference task gets about the same estimated work.
+
+Estimated cost of a request = prompt tokens + n * max_tokens. Rows are laid on one line of cumulative cost (in the
+order of the persisted input partitions) and cut into ``P`` equal ranges, so each partition holds total/P tokens
+give or take one request. Only per-partition sums reach the driver (one row per partition), never requests.
+Inside a partition, rows are sorted by their leading prompt tokens so that shared prefixes (system prompts) run
+back to back and vLLM's prefix cache can reuse them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+log = logging.getLogger(__name__)
+
+PART_COL = "_part"
+_PREFIX_TOKENS = 256
+
+
+@dataclass
+class PartitionPlan:
+    """What the partitioner decided; recorded in batch.json."""
+
+    num_partitions: int
+    task_slots: int
+    total_estimated_tokens: int
+    target_tokens_per_partition: int
+    tokens_per_partition: list[int] = field(default_factory=list)
+    requests_per_partition: list[int] = field(default_factory=list)
+
+    @property
+    def balance_ratio(self) -> float:
+        """max / mean estimated tokens over the partitions (1.0 is perfect)."""
+        if not self.tokens_per_partition or not sum(self.tokens_per_partition):
+            return 1.0
+        mean = sum(self.tokens_per_partition) / len(self.tokens_per_partition)
+        return max(self.tokens_per_partition) / mean
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"num_partitions": self.num_partitions, "task_slots": self.task_slots,
+                "total_estimated_tokens": self.total_estimated_tokens,
+                "target_tokens_per_partition": self.target_tokens_per_partition,
+                "tokens_per_partition": self.tokens_per_partition,
+                "requests_per_partition": self.requests_per_partition,
+                "balance_ratio": round(self.balance_ratio, 4)}
+
+
+def num_partitions(total_tokens: int, target: int, slots: int) -> int:
+    """Partitions for ``total_tokens``: ceil(total / target), at least ``slots``, rounded up to a multiple of it."""
+    slots = max(1, slots)
+    wanted = max(1, math.ceil(total_tokens / max(1, target)))
+    return max(slots, math.ceil(wanted / slots) * slots)
+
+
+def task_slots(spark: SparkSession, configured: Optional[int] = None) -> int:
+    """Inference tasks that can run at once: GPU engines when Spark schedules GPUs, else the default parallelism."""
+    if configured:
+        return configured
+    conf = spark.sparkContext.getConf()
+    task_gpus = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
+    exec_gpus = float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
+    executors = int(conf.get("spark.executor.instances", "0") or 0) or int(
+        conf.get("spark.dynamicAllocation.maxExecutors", "0") or 0)
+    if task_gpus > 0 and exec_gpus > 0 and executors > 0:
+        return max(1, executors * int(exec_gpus // task_gpus))
+    return max(1, spark.sparkContext.defaultParallelism)
+
+
+def estimate_cost(df: DataFrame) -> DataFrame:
+    """Adds ``est_tokens`` = prompt tokens + n * max_tokens."""
+    n = F.coalesce(F.get_json_object("sampling_json", "$.n").cast("long"), F.lit(1))
+    return df.withColumn("est_tokens", F.col("prompt_tokens").cast("long") + n * F.col("max_tokens").cast("long"))
+
+
+def _partition_sums(df: DataFrame) -> dict[int, int]:
+    rows = (df.groupBy(F.spark_partition_id().alias("pid")).agg(F.sum("est_tokens").alias("t")).collect())
+    return {int(r["pid"]): int(r["t"] or 0) for r in rows}
+
+
+def _assign(batches: Iterator, offsets: dict[int, int], per_part: float, parts: int) -> Iterator:
+    from pyspark import TaskContext
+
+    pid = TaskContext.get().partitionId()
+    start = offsets.get(pid, 0)
+    for pdf in batches:
+        cost = pdf["est_tokens"].astype("int64")
+        before = start + cost.cumsum() - cost
+        mid = before + cost / 2.0
+        pdf[PART_COL] = (mid // per_part).clip(upper=parts - 1).astype("int32")
+        start += int(cost.sum())
+        yield pdf
+
+
+def _hash_keys(spark: SparkSession, parts: int) -> DataFrame:
+    """A key per partition index such that Spark's hash partitioner sends it to exactly that partition."""
+    search = parts * 64
+    while True:
+        keys = (spark.range(search).select(F.col("id").alias("_key"),
+                                           F.expr(f"pmod(hash(id), {parts})").cast("int").alias(PART_COL))
+                .groupBy(PART_COL).agg(F.min("_key").alias("_key")))
+        found = keys.collect()  # `parts` rows of metadata
+        if len(found) == parts:
+            return spark.createDataFrame([(int(r[PART_COL]), int(r["_key"])) for r in found],
+                                         T.StructType([T.StructField(PART_COL, T.IntegerType()),
+                                                       T.StructField("_key", T.LongType())]))
+        search *= 4
+
+
+def balance(df: DataFrame, *, target_tokens: int, slots: int) -> tuple[DataFrame, PartitionPlan]:
+    """Repartition valid requests (with ``est_tokens``) by estimated tokens. ``df`` should be persisted: its
+    partitioning must stay the same between the sums pass and the assignment pass."""
+    spark = df.sparkSession
+    sums = _partition_sums(df)
+    total = sum(sums.values())
+    parts = num_partitions(total, target_tokens, slots)
+    offsets, running = {}, 0
+    for pid in sorted(sums):
+        offsets[pid] = running
+        running += sums[pid]
+    per_part = max(total / parts, 1.0)
+    schema = T.StructType(df.schema.fields + [T.StructField(PART_COL, T.IntegerType())])
+    assigned = df.mapInPandas(lambda it: _assign(it, offsets, per_part, parts), schema)
+    keyed = assigned.join(F.broadcast(_hash_keys(spark, parts)), PART_COL)
+    out = (keyed.repartition(parts, "_key")
+           .sortWithinPartitions(F.slice("prompt_token_ids", 1, _PREFIX_TOKENS), F.col("prompt_tokens").desc())
+           .drop("_key"))
+    plan = PartitionPlan(num_partitions=parts, task_slots=slots, total_estimated_tokens=total,
+                         target_tokens_per_partition=target_tokens)
+    stats = {int(r[PART_COL]): (int(r["t"]), int(r["c"])) for r in
+             assigned.groupBy(PART_COL).agg(F.sum("est_tokens").alias("t"), F.count(F.lit(1)).alias("c")).collect()}
+    plan.tokens_per_partition = [stats.get(i, (0, 0))[0] for i in range(parts)]
+    plan.requests_per_partition = [stats.get(i, (0, 0))[1] for i in range(parts)]
+    log.info("partition plan: %d partitions for %d estimated tokens (%d task slots), balance max/mean %.3f",
+             parts, total, slots, plan.balance_ratio)
+    return out, plan

@@ -1,0 +1,212 @@
+"""run_batch(spark, config): read -> validate -> dedupe -> count tokens -> balance -> infer -> write -> report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Optional
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from . import write
+from .config import BatchConfig, ConfigError
+from .engine import EngineSpec
+from .errors import EngineStartError, ErrorCode
+from .infer import InferContext, infer_partition
+from .partition import balance, estimate_cost, task_slots
+from .read import read_lines
+from .report import BatchResult, batch_object, counts, to_json, unattributed_errors
+from .schemas import OUTPUTS_SCHEMA, RESULT_SCHEMA, TOKENIZED_SCHEMA, VALIDATED_SCHEMA
+from .session import check_delta
+from .tokens import TokenContext, count_batches
+from .validate import ValidationContext, validate_batches
+
+log = logging.getLogger(__name__)
+
+
+def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
+    """Run one batch end to end and return its :class:`~spark_llm.report.BatchResult`.
+
+    Raises :class:`~spark_llm.config.ConfigError` for bad settings and
+    :class:`~spark_llm.errors.EngineStartError` when no engine can start; every problem with a single request
+    becomes an error row instead.
+    """
+    if not isinstance(config, BatchConfig):
+        raise TypeError(f"config must be a spark_llm.BatchConfig, got {type(config).__name__}")
+    config.require("model", "input", "output_dir")
+    check_delta(spark)
+    cfg = config.model_copy(update={"max_model_len": resolve_max_model_len(config)})
+    batch_id = cfg.resolved_batch_id()
+    out_dir = cfg.output_dir.rstrip("/")  # type: ignore[union-attr]
+    outputs_path, errors_path = cfg.table_paths()
+    paths = {"output_file": f"{out_dir}/output.jsonl", "error_file": f"{out_dir}/errors.jsonl",
+             "batch_file": f"{out_dir}/batch.json", "outputs_table": outputs_path, "errors_table": errors_path}
+    created_at = int(time.time())
+    write.prepare_output_dir(spark, out_dir, cfg.overwrite)
+    log.info("batch %s: reading %s", batch_id, cfg.input)
+
+    sc = spark.sparkContext
+    sc.setJobGroup(batch_id, f"spark_llm {batch_id}", interruptOnCancel=True)
+    sc.setJobDescription("spark_llm: read, validate and count tokens")
+    requests = _prepare(spark, cfg, batch_id).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        in_progress_at = int(time.time())
+        sc.setJobDescription("spark_llm: write validation errors")
+        write.append_errors(_error_rows(requests.where(F.col("error_code").isNotNull()), batch_id,
+                                        cfg.max_raw_line_chars), errors_path)
+        valid = estimate_cost(requests.where(F.col("error_code").isNull()))
+        sc.setJobDescription("spark_llm: plan partitions")
+        plan = None
+        endpoints = [r["url"] for r in valid.select("url").distinct().limit(3).collect()]
+        if endpoints:
+            balanced, plan_obj = balance(valid, target_tokens=cfg.target_tokens_per_partition,
+                                         slots=task_slots(spark, cfg.num_task_slots))
+            plan = plan_obj.as_dict()
+            _infer_and_write(spark, cfg, balanced, batch_id, out_dir, outputs_path, errors_path)
+        else:  # nothing to infer: still create the outputs table so readers find it
+            write.append_outputs(spark.createDataFrame([], OUTPUTS_SCHEMA), outputs_path)
+    finally:
+        requests.unpersist()
+
+    sc.setJobDescription("spark_llm: write OpenAI files and batch.json")
+    outputs = _batch_rows(spark, outputs_path, batch_id)
+    errors = _batch_rows(spark, errors_path, batch_id)
+    write.write_jsonl(spark, write.output_lines(outputs), paths["output_file"])
+    write.write_jsonl(spark, write.error_lines(errors), paths["error_file"])
+    c = counts(outputs, errors)
+    errors_data, errors_total = unattributed_errors(errors)
+    finished = int(time.time())
+    batch = batch_object(batch_id=batch_id, endpoint=endpoints[0] if len(endpoints) == 1 else None,
+                         model=cfg.served_model_name or "", input_path=cfg.input or "", status="completed",
+                         created_at=created_at, in_progress_at=in_progress_at, finalizing_at=finished,
+                         completed_at=finished, failed_at=None, c=c, errors_data=errors_data,
+                         errors_total=errors_total, paths=paths, plan=plan)
+    write.write_text_atomic(spark, paths["batch_file"], to_json(batch))
+    sc.setJobDescription(None)
+    result = BatchResult(batch_id=batch_id, status="completed", total=c["completed"] + c["failed"],
+                         completed=c["completed"], failed=c["failed"], input_tokens=c["input_tokens"],
+                         output_tokens=c["output_tokens"], output_dir=out_dir, outputs_table=outputs_path,
+                         errors_table=errors_path, output_file=paths["output_file"], error_file=paths["error_file"],
+                         batch_file=paths["batch_file"], batch=batch)
+    log.info("%s", result.summary())
+    return result
+
+
+def resolve_max_model_len(cfg: BatchConfig) -> int:
+    """The configured max_model_len, else the model's max_position_embeddings (read from config.json)."""
+    if cfg.max_model_len:
+        return cfg.max_model_len
+    config_file = Path(cfg.model or "") / "config.json"
+    try:
+        model_conf = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {config_file} to find the model's context length ({exc}); set "
+                          f"--max-model-len / MAX_MODEL_LEN") from None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = model_conf.get(key) or (model_conf.get("text_config") or {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ConfigError(f"{config_file} does not state a context length; set --max-model-len / MAX_MODEL_LEN")
+
+
+def _prepare(spark: SparkSession, cfg: BatchConfig, batch_id: str) -> DataFrame:
+    """Raw lines -> validated, deduplicated, tokenized rows with their batch line ids."""
+    vctx = ValidationContext(
+        served_model_name=cfg.served_model_name or "", default_max_tokens=cfg.default_max_tokens,
+        default_temperature=cfg.default_temperature, default_top_p=cfg.default_top_p,
+        max_line_bytes=cfg.max_line_bytes, max_raw_line_chars=cfg.max_raw_line_chars,
+        max_stop_sequences=cfg.max_stop_sequences, max_n=cfg.max_n)
+    tctx = TokenContext(tokenizer_path=cfg.tokenizer or cfg.model or "", max_model_len=int(cfg.max_model_len or 0),
+                        context_overflow=cfg.context_overflow)
+    lines = read_lines(spark, cfg.input or "")
+    validated = lines.mapInPandas(lambda it: validate_batches(it, vctx), VALIDATED_SCHEMA)
+    deduped = mark_duplicates(validated)
+    tokenized = deduped.mapInPandas(lambda it: count_batches(it, tctx), TOKENIZED_SCHEMA)
+    return with_line_ids(tokenized, batch_id)
+
+
+def mark_duplicates(df: DataFrame) -> DataFrame:
+    """The first line (by file, line number) of each custom_id keeps its fate; later lines become
+    duplicate_custom_id errors that name the first line."""
+    with_id = df.where(F.col("custom_id").isNotNull())
+    w = Window.partitionBy("custom_id").orderBy("file", "line_number")
+    ranked = (with_id.withColumn("_rank", F.row_number().over(w))
+              .withColumn("_first_line", F.first("line_number").over(w))
+              .withColumn("_first_file", F.first("file").over(w)))
+    dup = F.col("_rank") > 1
+    message = F.concat(F.lit("custom_id is already used by line "), F.col("_first_line").cast("string"),
+                       F.when(F.col("_first_file") != F.col("file"), F.concat(F.lit(" of "), F.col("_first_file")))
+                       .otherwise(F.lit("")), F.lit("; only the first occurrence runs"))
+    marked = ranked.select(
+        *[c for c in df.columns if c not in ("error_code", "error_message", "raw_line")],
+        F.when(dup, F.lit(ErrorCode.DUPLICATE_CUSTOM_ID.value)).otherwise(F.col("error_code")).alias("error_code"),
+        F.when(dup, message).otherwise(F.col("error_message")).alias("error_message"),
+        F.when(dup, F.coalesce(F.col("raw_line"), F.col("request"))).otherwise(F.col("raw_line")).alias("raw_line"),
+    )
+    return marked.select(df.columns).unionByName(df.where(F.col("custom_id").isNull()))
+
+
+def with_line_ids(df: DataFrame, batch_id: str) -> DataFrame:
+    """Stable, unique per-line ids from the batch id and the custom_id (file and line for lines without a usable
+    or with a duplicate custom_id)."""
+    by_line = F.concat(F.lit("\u0000"), F.col("file"), F.lit(":"), F.col("line_number").cast("string"))
+    unique_id = F.col("custom_id").isNotNull() & (F.coalesce(F.col("error_code"), F.lit("")) != F.lit(
+        ErrorCode.DUPLICATE_CUSTOM_ID.value))
+    ident = F.when(unique_id, F.col("custom_id")).otherwise(by_line)
+    digest = F.sha2(F.concat(F.lit(batch_id + "\u0000"), ident), 256)
+    return df.select("*", F.concat(F.lit("batch_req_"), F.substring(digest, 1, 32)).alias("id"),
+                     F.concat(F.lit("req_"), F.substring(digest, 33, 32)).alias("request_id"))
+
+
+def _error_rows(df: DataFrame, batch_id: str, max_raw: int) -> DataFrame:
+    raw = F.coalesce(F.col("raw_line"), F.col("request"))
+    cut = F.when(F.length(raw) > max_raw, F.concat(F.substring(raw, 1, max(max_raw - 1, 0)), F.lit("…"))) \
+        .otherwise(raw)
+    return df.select(F.lit(batch_id).alias("batch_id"), "id", "custom_id", "file", "line_number",
+                     F.col("error_code").alias("code"), F.col("error_message").alias("message"),
+                     cut.alias("raw_line"), F.current_timestamp().alias("created_at"))
+
+
+def _infer_and_write(spark: SparkSession, cfg: BatchConfig, balanced: DataFrame, batch_id: str, out_dir: str,
+                     outputs_path: str, errors_path: str) -> None:
+    ictx = InferContext(engine=EngineSpec.from_config(cfg), served_model_name=cfg.served_model_name or "",
+                        batch_id=batch_id)
+    staging = f"{out_dir}/_staging/results"
+    keep = balanced.select("id", "request_id", "custom_id", "file", "line_number", "url", "kind", "request",
+                           "sampling_json", "prompt_token_ids", "prompt_tokens", "notes")
+    results = keep.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA)
+    spark.sparkContext.setJobDescription("spark_llm: infer")
+    try:
+        results.write.mode("overwrite").parquet(staging)
+    except Exception as exc:
+        raise _engine_failure(exc) from None
+    staged = spark.read.parquet(staging)
+    spark.sparkContext.setJobDescription("spark_llm: write outputs")
+    ok = staged.where(F.col("error_code").isNull()).select(
+        F.lit(batch_id).alias("batch_id"), "id", "custom_id", "request_id", "file", "line_number",
+        F.col("url").alias("endpoint"), "model", "text", "finish_reason", "prompt_tokens", "completion_tokens",
+        "total_tokens", "notes", F.timestamp_seconds("created").alias("created_at"), "response_body", "request")
+    write.append_outputs(ok, outputs_path)
+    failed = staged.where(F.col("error_code").isNotNull()).withColumn("raw_line", F.lit(None).cast("string"))
+    write.append_errors(_error_rows(failed, batch_id, cfg.max_raw_line_chars), errors_path)
+    write.delete(spark, f"{out_dir}/_staging")
+
+
+_ENGINE_ERR = re.compile(r"EngineStartError: (.+?)(?:\n|$)")
+
+
+def _engine_failure(exc: Exception) -> Exception:
+    """Turn an executor-side engine start failure into one clear driver-side error."""
+    match = _ENGINE_ERR.search(str(exc))
+    if match:
+        return EngineStartError(match.group(1))
+    return exc
+
+
+def _batch_rows(spark: SparkSession, path: str, batch_id: str) -> DataFrame:
+    return spark.read.format("delta").load(path).where(F.col("batch_id") == batch_id)

@@ -1,0 +1,115 @@
+"""Spark schemas of each stage and of the result tables, and pydantic models of the OpenAI batch file lines."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+from pyspark.sql import types as T
+
+S, L, I = T.StringType(), T.LongType(), T.IntegerType()
+
+
+def _struct(*fields: tuple[str, T.DataType, bool]) -> T.StructType:
+    return T.StructType([T.StructField(n, t, nullable) for n, t, nullable in fields])
+
+
+#: validate.validate_batches output (see validate.VALIDATED_FIELDS).
+VALIDATED_SCHEMA = _struct(
+    ("file", S, False), ("line_number", L, False), ("custom_id", S, True), ("url", S, True), ("kind", S, True),
+    ("request", S, True), ("prompt_json", S, True), ("sampling_json", S, True), ("max_tokens", L, True),
+    ("error_code", S, True), ("error_message", S, True), ("raw_line", S, True),
+)
+
+#: tokens.count_batches output.
+TOKENIZED_SCHEMA = T.StructType(VALIDATED_SCHEMA.fields + [
+    T.StructField("prompt_token_ids", T.ArrayType(I, containsNull=False), True),
+    T.StructField("prompt_tokens", L, True),
+    T.StructField("notes", S, True),
+])
+
+#: infer.infer_partition output (see infer.RESULT_FIELDS).
+RESULT_SCHEMA = _struct(
+    ("id", S, False), ("custom_id", S, True), ("file", S, True), ("line_number", L, True), ("url", S, True), ("request_id", S, True),
+    ("model", S, True), ("text", S, True), ("finish_reason", S, True), ("prompt_tokens", L, True),
+    ("completion_tokens", L, True), ("total_tokens", L, True), ("created", L, True), ("response_body", S, True),
+    ("request", S, True), ("notes", S, True), ("error_code", S, True), ("error_message", S, True),
+)
+
+#: Column -> comment of the outputs table (README documents the same columns).
+OUTPUTS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
+    "batch_id": (S, "Batch run that produced the row"),
+    "id": (S, "Batch line id (batch_req_...), the id field of output.jsonl"),
+    "custom_id": (S, "custom_id exactly as given in the input line"),
+    "request_id": (S, "response.request_id in output.jsonl"),
+    "file": (S, "Input file the request came from"),
+    "line_number": (L, "1-based line number of the request in its input file"),
+    "endpoint": (S, "Request url: /v1/chat/completions or /v1/completions"),
+    "model": (S, "Served model name"),
+    "text": (S, "Generated text of the first choice"),
+    "finish_reason": (S, "Why generation of the first choice stopped: stop or length"),
+    "prompt_tokens": (L, "Prompt tokens (after the chat template), equal to usage.prompt_tokens"),
+    "completion_tokens": (L, "Generated tokens over all choices"),
+    "total_tokens": (L, "prompt_tokens + completion_tokens"),
+    "notes": (S, "Adjustments made to the request, e.g. max_tokens lowered to fit the context"),
+    "created_at": (T.TimestampType(), "When the response was generated"),
+    "response_body": (S, "Full OpenAI ChatCompletion / Completion object as JSON"),
+    "request": (S, "The original input line as JSON"),
+}
+
+ERRORS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
+    "batch_id": (S, "Batch run that produced the row"),
+    "id": (S, "Batch line id (batch_req_...), the id field of errors.jsonl"),
+    "custom_id": (S, "custom_id as given; null when the line had no usable custom_id"),
+    "file": (S, "Input file of the failed line"),
+    "line_number": (L, "1-based line number of the failed line in its input file"),
+    "code": (S, "Error code (see README: error codes)"),
+    "message": (S, "What was wrong and what to change"),
+    "raw_line": (S, "The input line, cut to max_raw_line_chars characters"),
+    "created_at": (T.TimestampType(), "When the error was recorded"),
+}
+
+
+def table_schema(columns: dict[str, tuple[T.DataType, str]]) -> T.StructType:
+    return T.StructType([T.StructField(name, dtype, name not in ("batch_id", "id", "file", "line_number"),
+                                       metadata={"comment": comment})
+                         for name, (dtype, comment) in columns.items()])
+
+
+OUTPUTS_SCHEMA = table_schema(OUTPUTS_COLUMNS)
+ERRORS_SCHEMA = table_schema(ERRORS_COLUMNS)
+
+
+# ---- OpenAI batch file lines (pydantic) ------------------------------------------------------------------------
+
+class BatchInputLine(BaseModel):
+    """One line of an OpenAI Batch API input file."""
+
+    model_config = ConfigDict(extra="forbid")
+    custom_id: str
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
+class BatchResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class BatchError(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    code: str
+    message: str
+
+
+class BatchOutputLine(BaseModel):
+    """One line of output.jsonl or errors.jsonl, as OpenAI's Batch API shapes them."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    custom_id: Optional[str]
+    response: Optional[BatchResponse]
+    error: Optional[BatchError]

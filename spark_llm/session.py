@@ -1,0 +1,66 @@
+"""A Spark session with Delta Lake and the settings the pipeline relies on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Mapping, Optional
+
+from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+#: Settings for a local session (demo, tests, single machine). Cluster jobs keep their own spark-submit settings.
+LOCAL_DEFAULTS = {
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.default.parallelism": "2",
+    "spark.python.worker.reuse": "true",
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.sql.sources.partitionOverwriteMode": "dynamic",
+    "spark.driver.memory": "2g",
+}
+DELTA_CONF = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+}
+
+
+def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] = None,
+                app_name: str = "spark_llm") -> SparkSession:
+    """The active session if there is one (spark-submit, Databricks, notebooks), else a new one with Delta.
+
+    A new session is local (``master`` default ``local[2]``) and pulls Delta's jars from Maven Central through
+    ``spark.jars.packages``; its Python workers run this interpreter.
+    """
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    from delta import configure_spark_with_delta_pip
+
+    # PySpark reads the workers' interpreter from the environment when it starts the context.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+    builder = SparkSession.builder.appName(app_name).master(master or "local[2]")
+    settings = {**LOCAL_DEFAULTS, **DELTA_CONF, "spark.pyspark.python": sys.executable,
+                "spark.pyspark.driver.python": sys.executable, **dict(conf or {})}
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    spark = configure_spark_with_delta_pip(builder).getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def check_delta(spark: SparkSession) -> None:
+    """Fail early, with the fix, when the session cannot write Delta tables."""
+    from .config import ConfigError
+
+    try:
+        jvm = spark.sparkContext._jvm
+        jvm.org.apache.spark.util.Utils.classForName("io.delta.tables.DeltaTable", True, False)
+    except Exception:
+        raise ConfigError(
+            "Delta Lake is not on this Spark session's classpath. spark-submit: add --packages "
+            "io.delta:delta-spark_4.2_2.13:<delta version> (see conf/gpu-cluster.yaml) and --conf "
+            "spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension; Databricks has it built in") from None

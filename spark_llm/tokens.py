@@ -1,0 +1,133 @@
+"""Prompt token counting with the served model's tokenizer and chat template, and the context-length guard.
+
+Runs on the executors. The tokenizer is loaded once per Python worker. The token ids computed here are the ones the
+engine receives, so ``prompt_tokens`` in the outputs equals the engine's ``usage.prompt_tokens`` by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from .errors import ErrorCode
+
+log = logging.getLogger(__name__)
+
+_TOKENIZERS: dict[str, Any] = {}
+_LOCK = threading.Lock()
+#: Characters per token no real tokenizer exceeds on average; prompts longer than max_model_len * this are counted on
+#: a prefix only, which bounds the work a million-token prompt can cause on one worker.
+_MAX_CHARS_PER_TOKEN = 32
+
+
+def get_tokenizer(path: str) -> Any:
+    """The tokenizer for ``path``, loaded once per Python worker."""
+    with _LOCK:
+        tok = _TOKENIZERS.get(path)
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
+            _TOKENIZERS[path] = tok
+            log.info("loaded tokenizer %s", path)
+        return tok
+
+
+@dataclass(frozen=True)
+class TokenContext:
+    tokenizer_path: str
+    max_model_len: int
+    context_overflow: str = "error"
+
+
+def render_prompt(tokenizer: Any, kind: str, prompt: Any, char_limit: Optional[int] = None) -> tuple[list[int], bool]:
+    """Token ids the engine will see (the chat template applied to messages, or the completion prompt), and whether
+    only the first ``char_limit`` characters were tokenized."""
+    if kind == "chat":
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return _encode(tokenizer, text, False, char_limit)
+    if isinstance(prompt, list):
+        return [int(t) for t in prompt], False
+    return _encode(tokenizer, prompt, True, char_limit)
+
+
+def _encode(tokenizer: Any, text: str, add_special: bool, char_limit: Optional[int]) -> tuple[list[int], bool]:
+    cut = char_limit is not None and len(text) > char_limit
+    return tokenizer.encode(text[:char_limit] if cut else text, add_special_tokens=add_special), cut
+
+
+def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, ctx: TokenContext) -> dict:
+    """Token ids, counts and the context-length decision for one valid request."""
+    prompt = json.loads(prompt_json)
+    sampling = json.loads(sampling_json)
+    max_tokens = int(sampling["max_tokens"])
+    ids, truncated = render_prompt(tokenizer, kind, prompt, ctx.max_model_len * _MAX_CHARS_PER_TOKEN)
+    if truncated and len(ids) + max_tokens <= ctx.max_model_len:  # pathological chars/token: count it all
+        ids, truncated = render_prompt(tokenizer, kind, prompt)
+    n_prompt = len(ids)
+    out = {"prompt_token_ids": ids, "prompt_tokens": n_prompt, "max_tokens": max_tokens, "notes": None,
+           "sampling_json": sampling_json, "error_code": None, "error_message": None}
+    vocab = len(tokenizer)
+    if kind == "completion" and isinstance(prompt, list) and any(t >= vocab for t in ids):
+        out.update(error_code=ErrorCode.INVALID_REQUEST.value,
+                   error_message=f"body.prompt holds token ids outside the vocabulary (size {vocab})")
+        return out
+    if n_prompt + max_tokens > ctx.max_model_len:
+        fits_alone = n_prompt < ctx.max_model_len and not truncated
+        if ctx.context_overflow == "truncate" and fits_alone:
+            new_max = ctx.max_model_len - n_prompt
+            sampling["max_tokens"] = new_max
+            if sampling.get("min_tokens", 0) > new_max:
+                sampling["min_tokens"] = new_max
+            out.update(max_tokens=new_max, sampling_json=json.dumps(sampling),
+                       notes=f"max_tokens lowered from {max_tokens} to {new_max} to fit max_model_len "
+                             f"{ctx.max_model_len}")
+        else:
+            at_least = "at least " if truncated else ""
+            out.update(error_code=ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
+                       error_message=f"prompt has {at_least}{n_prompt} tokens and max_tokens is {max_tokens}: "
+                                     f"{at_least}{n_prompt + max_tokens} tokens, over the model's maximum context "
+                                     f"length of {ctx.max_model_len}")
+    return out
+
+
+TOKEN_FIELDS = ("prompt_token_ids", "prompt_tokens", "notes")
+
+
+def count_batches(batches: Iterator, ctx: TokenContext) -> Iterator:
+    """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens and notes; error rows pass through."""
+    tokenizer = None
+    for pdf in batches:
+        ids_col, n_col, notes_col = [], [], []
+        pdf = pdf.copy()
+        for i in range(len(pdf)):
+            if pdf["error_code"].iat[i] is not None:
+                ids_col.append(None), n_col.append(None), notes_col.append(None)
+                continue
+            if tokenizer is None:
+                tokenizer = get_tokenizer(ctx.tokenizer_path)
+            try:
+                res = count_row(tokenizer, pdf["kind"].iat[i], pdf["prompt_json"].iat[i],
+                                pdf["sampling_json"].iat[i], ctx)
+            except Exception as exc:  # a template or tokenizer failure on one request is that request's error
+                res = {"prompt_token_ids": None, "prompt_tokens": None, "notes": None,
+                       "sampling_json": pdf["sampling_json"].iat[i], "max_tokens": pdf["max_tokens"].iat[i],
+                       "error_code": ErrorCode.INVALID_REQUEST.value,
+                       "error_message": f"prompt could not be tokenized: {type(exc).__name__}: {exc}"[:1000]}
+            if res["error_code"] is not None:
+                pdf.iat[i, pdf.columns.get_loc("error_code")] = res["error_code"]
+                pdf.iat[i, pdf.columns.get_loc("error_message")] = res["error_message"]
+                ids_col.append(None), n_col.append(res["prompt_tokens"]), notes_col.append(None)
+                continue
+            pdf.iat[i, pdf.columns.get_loc("sampling_json")] = res["sampling_json"]
+            pdf.iat[i, pdf.columns.get_loc("max_tokens")] = res["max_tokens"]
+            ids_col.append(res["prompt_token_ids"]), n_col.append(res["prompt_tokens"])
+            notes_col.append(res["notes"])
+        pdf["prompt_token_ids"] = ids_col
+        pdf["prompt_tokens"] = n_col
+        pdf["prompt_tokens"] = pdf["prompt_tokens"].astype("Int64")
+        pdf["notes"] = notes_col
+        yield pdf

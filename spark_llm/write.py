@@ -1,0 +1,154 @@
+"""Delta result tables and the OpenAI-format JSONL files, written through Spark and Hadoop streams.
+
+The JSONL files are written by Spark as part files and then concatenated into one file by the JVM (Hadoop
+``FileSystem`` streams), so no row passes through the Python driver. Every final file appears by rename, never half
+written.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from .config import ConfigError
+from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS
+
+log = logging.getLogger(__name__)
+
+
+# ---- Hadoop filesystem helpers -------------------------------------------------------------------------------
+
+def _fs(spark: SparkSession, path: str) -> tuple[Any, Any]:
+    jvm = spark.sparkContext._jvm
+    hpath = jvm.org.apache.hadoop.fs.Path(path)
+    fs = hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    fs.setWriteChecksum(False)  # no .crc side files next to the results on local filesystems
+    return fs, hpath
+
+
+def exists(spark: SparkSession, path: str) -> bool:
+    fs, hpath = _fs(spark, path)
+    return bool(fs.exists(hpath))
+
+
+def delete(spark: SparkSession, path: str) -> None:
+    fs, hpath = _fs(spark, path)
+    if fs.exists(hpath):
+        fs.delete(hpath, True)
+
+
+def prepare_output_dir(spark: SparkSession, output_dir: str, overwrite: bool) -> None:
+    """Refuse a non-empty output directory unless ``overwrite``; then clear it."""
+    fs, hpath = _fs(spark, output_dir)
+    if fs.exists(hpath):
+        if not fs.getFileStatus(hpath).isDirectory():
+            raise ConfigError(f"output dir {output_dir!r} is a file, not a directory")
+        if len(fs.listStatus(hpath)) > 0:
+            if not overwrite:
+                raise ConfigError(f"output dir {output_dir!r} is not empty; choose another --output-dir or pass "
+                                  f"--overwrite to replace its contents")
+            log.warning("overwriting the contents of %s", output_dir)
+            for status in fs.listStatus(hpath):
+                fs.delete(status.getPath(), True)
+    fs.mkdirs(hpath)
+
+
+def write_text_atomic(spark: SparkSession, path: str, text: str) -> None:
+    """Write a small text file (e.g. batch.json) through a temp file and a rename."""
+    fs, hpath = _fs(spark, path)
+    tmp = spark.sparkContext._jvm.org.apache.hadoop.fs.Path(path + ".tmp")
+    out = fs.create(tmp, True)
+    try:
+        out.write(bytearray(text.encode("utf-8")))
+    finally:
+        out.close()
+    _replace(fs, tmp, hpath)
+
+
+def _replace(fs: Any, src: Any, dst: Any) -> None:
+    if fs.exists(dst):
+        fs.delete(dst, False)
+    if not fs.rename(src, dst):
+        raise IOError(f"could not rename {src.toString()} to {dst.toString()}")
+
+
+def merge_parts(spark: SparkSession, parts_dir: str, dest: str) -> None:
+    """Concatenate the ``part-*`` files of ``parts_dir`` (in name order) into ``dest``, atomically, in the JVM."""
+    jvm = spark.sparkContext._jvm
+    fs, src = _fs(spark, parts_dir)
+    _, dst = _fs(spark, dest)
+    tmp = jvm.org.apache.hadoop.fs.Path(dest + ".tmp")
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    parts = sorted((s.getPath() for s in fs.listStatus(src) if s.getPath().getName().startswith("part-")),
+                   key=lambda p: p.getName())
+    out = fs.create(tmp, True)
+    try:
+        for part in parts:
+            stream = fs.open(part)
+            try:
+                jvm.org.apache.hadoop.io.IOUtils.copyBytes(stream, out, conf, False)
+            finally:
+                stream.close()
+    finally:
+        out.close()
+    _replace(fs, tmp, dst)
+    fs.delete(src, True)
+
+
+# ---- Delta tables -----------------------------------------------------------------------------------------------
+
+def _conform(df: DataFrame, columns: dict) -> DataFrame:
+    """Select the table's columns in order, cast, with their comments as column metadata."""
+    return df.select([F.col(name).cast(dtype).alias(name, metadata={"comment": comment})
+                      for name, (dtype, comment) in columns.items()])
+
+
+def append_table(df: DataFrame, path: str, columns: dict) -> None:
+    """Append rows to the Delta table at ``path`` (created on first write, partitioned by batch_id)."""
+    (_conform(df, columns).write.format("delta").mode("append").partitionBy("batch_id")
+     .option("mergeSchema", "false").save(path))
+
+
+def append_outputs(df: DataFrame, path: str) -> None:
+    append_table(df, path, OUTPUTS_COLUMNS)
+
+
+def append_errors(df: DataFrame, path: str) -> None:
+    append_table(df, path, ERRORS_COLUMNS)
+
+
+# ---- OpenAI JSONL -----------------------------------------------------------------------------------------------
+
+def _json_str(col: Column) -> Column:
+    """A JSON string literal for a string column (``null`` when null)."""
+    return F.coalesce(F.to_json(F.array(col)).substr(F.lit(2), F.length(F.to_json(F.array(col))) - 2),
+                      F.lit("null"))
+
+
+def output_lines(outputs: DataFrame) -> DataFrame:
+    """output.jsonl lines: ``{"id","custom_id","response":{"status_code":200,"request_id","body"},"error":null}``."""
+    line = F.concat(
+        F.lit('{"id":'), _json_str(F.col("id")), F.lit(',"custom_id":'), _json_str(F.col("custom_id")),
+        F.lit(',"response":{"status_code":200,"request_id":'), _json_str(F.col("request_id")),
+        F.lit(',"body":'), F.col("response_body"), F.lit('},"error":null}'))
+    return outputs.orderBy("file", "line_number").select(line.alias("value"))
+
+
+def error_lines(errors: DataFrame) -> DataFrame:
+    """errors.jsonl lines: ``{"id","custom_id","response":null,"error":{"code","message"}}``."""
+    line = F.concat(
+        F.lit('{"id":'), _json_str(F.col("id")), F.lit(',"custom_id":'), _json_str(F.col("custom_id")),
+        F.lit(',"response":null,"error":{"code":'), _json_str(F.col("code")),
+        F.lit(',"message":'), _json_str(F.col("message")), F.lit("}}"))
+    return errors.orderBy("file", "line_number").select(line.alias("value"))
+
+
+def write_jsonl(spark: SparkSession, lines: DataFrame, dest: str) -> None:
+    """Write a one-column ``value`` frame as a single JSONL file at ``dest`` (part files, then a JVM merge)."""
+    parts_dir = dest + ".parts"
+    delete(spark, parts_dir)
+    lines.write.mode("overwrite").option("lineSep", "\n").text(parts_dir)
+    merge_parts(spark, parts_dir, dest)
