@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up (idempotent), build the tiny local model, and run the batch job on the bundled demo input
+# (scripts/demo/requests.jsonl: ~50 requests, some in Chinese, some deliberately malformed) on local Spark + vLLM CPU.
+# Results land in demo_output/ (replaced on every run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+MODEL_DIR=.cache/tiny-llm
+[[ -f $MODEL_DIR/config.json ]] || .venv/bin/python scripts/make_tiny_model.py --out "$MODEL_DIR"
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+.venv/bin/spark-llm run --config conf/local.yaml --model "$MODEL_DIR" \
+  --input scripts/demo/requests.jsonl --output-dir demo_output --batch-id demo --overwrite "$@"
+echo
+echo "First output line:"; head -n 1 demo_output/output.jsonl | cut -c1-400
+echo "First error line:";  head -n 1 demo_output/errors.jsonl
+echo "Query the tables:   .venv/bin/python scripts/show_results.py demo_output"

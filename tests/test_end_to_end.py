@@ -1,0 +1,227 @@
+"""The whole job on real Spark, real Delta and real vLLM (CPU) with the tiny model: every rule on one input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from chispa import assert_df_equality
+from pyspark.sql import functions as F
+
+from conftest import MODEL_NAME, chat_line, completion_line, engine_settings, write_jsonl
+from spark_llm import BatchConfig, ConfigError, run_batch
+from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
+
+pytestmark = pytest.mark.engine
+
+OK = "ok"
+
+
+def build_input(root: Path) -> dict[tuple[str, int], str]:
+    """Two input files; returns (file name, line number) -> expected outcome (OK or an error code)."""
+    a = [
+        chat_line("chat-greedy", "Summarize: Spark runs tasks in parallel.", temperature=0, max_tokens=6),
+        chat_line("zh-1", "请总结以下文本的核心观点：批量推理可以降低成本。", temperature=0, max_tokens=5),
+        "",
+        b"\xef\xbb\xbf" + json.dumps(chat_line("bom-in-line", temperature=0)).encode(),
+        json.dumps(chat_line("crlf", temperature=0)) + "\r",
+        chat_line("n2", "Name a color.", n=2, temperature=0.8, seed=1, max_tokens=4),
+        chat_line("lp", "Say yes.", temperature=0, max_tokens=3, logprobs=True, top_logprobs=2),
+        completion_line("comp-1", "Once upon a time", temperature=0, max_tokens=5, logprobs=2, stop=["\n\n"]),
+        completion_line("comp-ids", [5, 6, 7, 8], temperature=0, max_tokens=4),
+        chat_line("  spaced id ", temperature=0, max_tokens=2),
+        "this is not json",
+        "[1, 2, 3]",
+        b'{"custom_id": "bad-utf8", "body": "\xff"}',
+        {"method": "POST", "url": "/v1/chat/completions", "body": {}},
+        {**chat_line("get"), "method": "GET"},
+        {**chat_line("embed"), "url": "/v1/embeddings"},
+        {**chat_line("no-body"), "body": None},
+        chat_line("wrong-model") | {"body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}},
+        chat_line("empty-msgs") | {"body": {"model": MODEL_NAME, "messages": []}},
+        chat_line("bad-role") | {"body": {"model": MODEL_NAME, "messages": [{"role": "robot", "content": "x"}]}},
+        chat_line("stream", stream=True),
+        chat_line("hot", temperature=3),
+        chat_line("tools", tools=[]),
+        completion_line("too-long", "word " * 600, max_tokens=8),
+        chat_line("chat-greedy", "a duplicate of line 1"),
+    ]
+    b = [
+        chat_line("zh-1", "a duplicate of a line in another file"),
+        completion_line("comp-b", "The weather today", temperature=0, max_tokens=4),
+        "{truncated",
+    ]
+    expected_a = [OK, OK, None, OK, OK, OK, OK, OK, OK, OK, "invalid_json", "invalid_json", "invalid_encoding",
+                  "invalid_custom_id", "invalid_method", "unsupported_endpoint", "invalid_request",
+                  "model_not_found", "invalid_request", "invalid_request", "unsupported_parameter", "invalid_request",
+                  "unsupported_parameter", "context_length_exceeded", "duplicate_custom_id"]
+    expected_b = ["duplicate_custom_id", OK, "invalid_json"]
+    root.mkdir(parents=True, exist_ok=True)
+    write_jsonl(root / "a.jsonl", a)
+    write_jsonl(root / "b.jsonl", b)
+    expected = {("a.jsonl", i + 1): e for i, e in enumerate(expected_a) if e is not None}
+    expected.update({("b.jsonl", i + 1): e for i, e in enumerate(expected_b)})
+    return expected
+
+
+@pytest.fixture(scope="module")
+def run(spark, tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    expected = build_input(root / "input")
+    cfg = BatchConfig(input=str(root / "input"), output_dir=str(root / "out"), batch_id="b-e2e",
+                      **engine_settings(tiny_model))
+    result = run_batch(spark, cfg)
+    return result, expected, root
+
+
+def outputs_df(spark, result):
+    return spark.read.format("delta").load(result.outputs_table)
+
+
+def errors_df(spark, result):
+    return spark.read.format("delta").load(result.errors_table)
+
+
+def test_every_line_ends_exactly_once_in_the_delta_tables(spark, run):
+    result, expected, _ = run
+    outs = outputs_df(spark, result).collect()
+    errs = errors_df(spark, result).collect()
+    seen = {}
+    for r in outs:
+        seen.setdefault((r["file"].rsplit("/", 1)[-1], r["line_number"]), []).append(OK)
+    for r in errs:
+        seen.setdefault((r["file"].rsplit("/", 1)[-1], r["line_number"]), []).append(r["code"])
+    assert {k: v for k, v in seen.items() if len(v) != 1} == {}
+    assert {k: v[0] for k, v in seen.items()} == expected
+    assert len({r["custom_id"] for r in outs}) == len(outs)
+    assert result.total == len(expected) and result.completed == len(outs) and result.failed == len(errs)
+    assert {r["batch_id"] for r in outs + errs} == {"b-e2e"}
+
+
+def test_error_rows_are_attributed(spark, run):
+    result, _, _ = run
+    errs = {(r["file"].rsplit("/", 1)[-1], r["line_number"]): r for r in errors_df(spark, result).collect()}
+    dup = errs[("a.jsonl", 25)]
+    assert dup["custom_id"] == "chat-greedy" and "line 1" in dup["message"]
+    cross = errs[("b.jsonl", 1)]
+    assert cross["custom_id"] == "zh-1" and "line 2 of" in cross["message"] and "a.jsonl" in cross["message"]
+    assert errs[("a.jsonl", 11)]["custom_id"] is None and errs[("a.jsonl", 11)]["raw_line"] == "this is not json"
+    too_long = errs[("a.jsonl", 24)]
+    assert too_long["custom_id"] == "too-long" and "512" in too_long["message"] and "max_tokens is 8" in too_long["message"]
+    assert errs[("a.jsonl", 18)]["custom_id"] == "wrong-model"
+    assert all(r["id"].startswith("batch_req_") for r in errs.values())
+
+
+def test_custom_ids_are_echoed_exactly(spark, run):
+    result, _, _ = run
+    ids = {r["custom_id"] for r in outputs_df(spark, result).collect()}
+    assert "  spaced id " in ids and "bom-in-line" in ids and "crlf" in ids
+
+
+def test_openai_files_match_the_tables_and_validate(spark, run):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    result, expected, _ = run
+    out_lines = [json.loads(x) for x in Path(result.output_file).read_text(encoding="utf-8").splitlines()]
+    err_lines = [json.loads(x) for x in Path(result.error_file).read_text(encoding="utf-8").splitlines()]
+    assert len(out_lines) == result.completed and len(err_lines) == result.failed
+    assert len(out_lines) + len(err_lines) == len(expected)
+    ids = [x["id"] for x in out_lines + err_lines]
+    assert len(set(ids)) == len(ids)
+    for line in out_lines:
+        parsed = BatchOutputLine.model_validate(line)
+        assert parsed.error is None and parsed.response.status_code == 200
+        body = parsed.response.body
+        model = ChatCompletion if body["object"] == "chat.completion" else Completion
+        obj = model.model_validate(body)
+        assert obj.model == MODEL_NAME and obj.usage.total_tokens == obj.usage.prompt_tokens + obj.usage.completion_tokens
+        assert obj.id.endswith(parsed.response.request_id.split("_", 1)[1])
+    for line in err_lines:
+        parsed = BatchOutputLine.model_validate(line)
+        assert parsed.response is None and parsed.error.code and parsed.error.message
+    assert {x["custom_id"] for x in out_lines} == {r["custom_id"] for r in outputs_df(spark, result).collect()}
+
+
+def test_delta_tables_read_back_like_the_files(spark, run):
+    result, _, _ = run
+    from_file = (spark.read.text(result.output_file)
+                 .select(F.get_json_object("value", "$.custom_id").alias("custom_id"),
+                         F.get_json_object("value", "$.response.body.usage.completion_tokens").cast("long")
+                         .alias("completion_tokens")))
+    from_table = outputs_df(spark, result).select("custom_id", "completion_tokens")
+    assert_df_equality(from_table, from_file, ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)
+    errors_from_file = spark.read.text(result.error_file).select(
+        F.get_json_object("value", "$.id").alias("id"), F.get_json_object("value", "$.error.code").alias("code"))
+    assert_df_equality(errors_df(spark, result).select("id", "code"), errors_from_file, ignore_row_order=True,
+                       ignore_nullable=True, ignore_metadata=True)
+
+
+def test_tables_carry_column_comments(spark, run):
+    result, _, _ = run
+    for df, columns in ((outputs_df(spark, result), OUTPUTS_COLUMNS), (errors_df(spark, result), ERRORS_COLUMNS)):
+        assert df.columns == list(columns)
+        assert all(f.metadata.get("comment") == columns[f.name][1] for f in df.schema.fields)
+
+
+def test_responses_content_and_usage(spark, run, tiny_model):
+    from transformers import AutoTokenizer
+
+    result, _, _ = run
+    rows = {r["custom_id"]: r for r in outputs_df(spark, result).collect()}
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for cid in ("chat-greedy", "zh-1", "n2", "lp"):
+        row = rows[cid]
+        messages = json.loads(row["request"])["body"]["messages"]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert row["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))
+    for row in rows.values():
+        body = json.loads(row["response_body"])
+        assert body["usage"]["prompt_tokens"] == row["prompt_tokens"]
+        assert body["usage"]["completion_tokens"] == row["completion_tokens"]
+    assert rows["chat-greedy"]["completion_tokens"] == 6 and rows["chat-greedy"]["finish_reason"] == "length"
+    n2 = json.loads(rows["n2"]["response_body"])
+    assert [c["index"] for c in n2["choices"]] == [0, 1] and n2["usage"]["completion_tokens"] <= 8
+    lp = json.loads(rows["lp"]["response_body"])["choices"][0]["logprobs"]["content"]
+    assert len(lp) == 3 and all(len(p["top_logprobs"]) == 2 and p["logprob"] <= 0 for p in lp)
+    clp = json.loads(rows["comp-1"]["response_body"])["choices"][0]["logprobs"]
+    assert len(clp["tokens"]) == len(clp["token_logprobs"]) == len(clp["top_logprobs"]) == 5
+    assert json.loads(rows["comp-ids"]["response_body"])["usage"]["prompt_tokens"] == 4
+
+
+def test_batch_object(spark, run):
+    result, _, _ = run
+    batch = json.loads(Path(result.batch_file).read_text())
+    outs = outputs_df(spark, result).agg(F.sum("prompt_tokens"), F.sum("completion_tokens")).first()
+    assert batch["id"] == "b-e2e" and batch["object"] == "batch" and batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": result.total, "completed": result.completed, "failed": result.failed}
+    assert batch["usage"]["input_tokens"] == outs[0] and batch["usage"]["output_tokens"] == outs[1]
+    assert batch["usage"]["total_tokens"] == outs[0] + outs[1]
+    assert batch["created_at"] <= batch["in_progress_at"] <= batch["completed_at"]
+    listed = sorted((e["file"].rsplit("/", 1)[-1], e["line"], e["code"]) for e in batch["errors"]["data"])
+    assert listed == [("a.jsonl", 11, "invalid_json"), ("a.jsonl", 12, "invalid_json"),
+                      ("a.jsonl", 13, "invalid_encoding"), ("a.jsonl", 14, "invalid_custom_id"),
+                      ("b.jsonl", 3, "invalid_json")]
+    plan = batch["metadata"]["partition_plan"]
+    assert plan["num_partitions"] == 2 and sum(plan["requests_per_partition"]) == result.completed
+
+
+def test_non_empty_output_dir_is_refused(spark, run, tiny_model):
+    result, _, root = run
+    cfg = BatchConfig(input=str(root / "input"), output_dir=result.output_dir, **engine_settings(tiny_model))
+    with pytest.raises(ConfigError, match="not empty.*--overwrite"):
+        run_batch(spark, cfg)
+    assert Path(result.output_file).exists()
+
+
+def test_greedy_rerun_gives_identical_outputs(spark, run, tiny_model):
+    result, _, root = run
+    again = run_batch(spark, BatchConfig(input=str(root / "input"), output_dir=str(root / "out2"),
+                                         batch_id="b-e2e-2", **engine_settings(tiny_model)))
+    def greedy(res):
+        rows = outputs_df(spark, res).where(F.col("batch_id") == res.batch_id).collect()
+        return {r["custom_id"]: (r["text"], r["completion_tokens"], json.loads(r["response_body"])["choices"][0].get("logprobs"))
+                for r in rows if json.loads(r["request"])["body"].get("temperature") == 0}
+    first, second = greedy(result), greedy(again)
+    assert len(first) >= 8 and first == second

@@ -1,0 +1,74 @@
+"""GPU-only logic and engine plumbing that needs no GPU: device selection from task resources, pinning, the vLLM
+arguments, and per-request failure isolation."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from spark_llm.config import BatchConfig
+from spark_llm.engine import EngineSpec, pin_gpus, select_gpus
+from spark_llm.errors import EngineStartError
+from spark_llm.infer import generate_isolating
+
+
+def gpus(*addresses):
+    return {"gpu": SimpleNamespace(name="gpu", addresses=list(addresses))}
+
+
+def test_select_gpus_uses_exactly_the_task_addresses():
+    assert select_gpus(gpus("3"), 1) == ["3"]
+    assert select_gpus(gpus("0", "1"), 2) == ["0", "1"]
+    assert select_gpus(None, 1) is None and select_gpus({}, 2) is None and select_gpus(gpus(), 1) is None
+
+
+def test_select_gpus_rejects_a_mismatch_with_tensor_parallel_size():
+    with pytest.raises(EngineStartError, match="spark.task.resource.gpu.amount=2"):
+        select_gpus(gpus("0"), 2)
+
+
+def test_pin_gpus_sets_cuda_visible_devices():
+    env = {}
+    pin_gpus(["2", "5"], env)
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,5"}
+    pin_gpus(None, env)
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,5"}
+
+
+def test_engine_spec_maps_config_to_vllm_arguments():
+    cfg = BatchConfig(model="/m", max_num_seqs=8, max_model_len=512, kv_cache_memory_bytes=1 << 28,
+                      enforce_eager=True, engine_kwargs={"swap_space": 1})
+    kw = EngineSpec.from_config(cfg).llm_kwargs()
+    assert kw["model"] == "/m" and kw["tokenizer"] == "/m" and kw["max_num_seqs"] == 8
+    assert kw["max_model_len"] == 512 and kw["kv_cache_memory_bytes"] == 1 << 28 and kw["enforce_eager"]
+    assert kw["distributed_executor_backend"] == "uni" and kw["swap_space"] == 1
+    tp = EngineSpec.from_config(BatchConfig(model="/m", tensor_parallel_size=4)).llm_kwargs()
+    assert tp["tensor_parallel_size"] == 4 and tp["distributed_executor_backend"] == "mp"
+
+
+def test_generate_isolating_finds_the_failing_request():
+    calls = []
+
+    def generate(prompts, params):
+        calls.append(len(prompts))
+        if "bad" in prompts:
+            raise ValueError("rejected")
+        return [p.upper() for p in prompts]
+
+    prompts = ["a", "b", "bad", "c", "d"]
+    out = generate_isolating(generate, prompts, [None] * 5)
+    assert out[:2] == ["A", "B"] and out[3:] == ["C", "D"]
+    assert isinstance(out[2], ValueError)
+    assert calls[0] == 5
+
+
+def test_generate_isolating_reraises_fatal_errors():
+    class Dead(Exception):
+        pass
+
+    def generate(prompts, params):
+        raise Dead()
+
+    with pytest.raises(Dead):
+        generate_isolating(generate, ["a", "b"], [None, None], is_fatal=lambda e: isinstance(e, Dead))
