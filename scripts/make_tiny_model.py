@@ -61,7 +61,7 @@ def _corpus(seed: int, n_lines: int = 20000) -> list[str]:
 
 def build_tokenizer(out: Path, seed: int, vocab_size: int):
     """Train a byte-level BPE tokenizer on the built-in corpus and save it with its chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -74,6 +74,10 @@ def build_tokenizer(out: Path, seed: int, vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    bos = SPECIAL_TOKENS[0]
+    # like Llama: plain prompts start with BOS (chat prompts are encoded without special tokens)
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>",

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from .config import ConfigError
 from .errors import EngineStartError
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,20 @@ def select_gpus(task_resources: dict[str, Any] | None, tensor_parallel_size: int
             f"{tensor_parallel_size}: set spark.task.resource.gpu.amount={tensor_parallel_size} so that one task owns "
             f"exactly the GPUs of one engine")
     return addresses
+
+
+def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) -> None:
+    """Driver-side check of Spark's GPU scheduling against the engine: one task must own exactly the
+    ``tensor_parallel_size`` GPUs of one engine (a fractional amount would put two engines on one GPU)."""
+    raw = spark_conf.get("spark.task.resource.gpu.amount")
+    if not raw:
+        return
+    amount = float(raw)
+    if amount != tensor_parallel_size:
+        raise ConfigError(
+            f"spark.task.resource.gpu.amount is {raw} but tensor_parallel_size is {tensor_parallel_size}: set both "
+            f"to the same whole number so each inference task owns exactly the GPUs of one engine"
+            + (" (a fraction would put two engines on one GPU)" if amount < 1 else ""))
 
 
 def pin_gpus(addresses: Optional[Sequence[str]], environ: dict | None = None) -> None:

@@ -15,7 +15,7 @@ from pyspark.sql import functions as F
 
 from . import write
 from .config import BatchConfig, ConfigError
-from .engine import EngineSpec
+from .engine import EngineSpec, check_gpu_settings
 from .errors import EngineStartError, ErrorCode
 from .infer import InferContext, infer_partition
 from .partition import balance, estimate_cost, task_slots
@@ -40,6 +40,7 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
         raise TypeError(f"config must be a spark_llm.BatchConfig, got {type(config).__name__}")
     config.require("model", "input", "output_dir")
     check_delta(spark)
+    check_gpu_settings(dict(spark.sparkContext.getConf().getAll()), config.tensor_parallel_size)
     cfg = config.model_copy(update={"max_model_len": resolve_max_model_len(config)})
     batch_id = cfg.resolved_batch_id()
     out_dir = cfg.output_dir.rstrip("/")  # type: ignore[union-attr]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -31,6 +32,7 @@ def get_tokenizer(path: str) -> Any:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(path)
+            tok.model_max_length = sys.maxsize  # the context guard here decides; silence transformers' warning
             _TOKENIZERS[path] = tok
             log.info("loaded tokenizer %s", path)
         return tok

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from spark_llm.config import BatchConfig
-from spark_llm.engine import EngineSpec, pin_gpus, select_gpus
+from spark_llm.config import ConfigError
+from spark_llm.engine import EngineSpec, check_gpu_settings, pin_gpus, select_gpus
 from spark_llm.errors import EngineStartError
 from spark_llm.infer import generate_isolating
 
@@ -72,3 +73,12 @@ def test_generate_isolating_reraises_fatal_errors():
 
     with pytest.raises(Dead):
         generate_isolating(generate, ["a", "b"], [None, None], is_fatal=lambda e: isinstance(e, Dead))
+
+
+def test_gpu_settings_must_give_each_task_one_engines_gpus():
+    check_gpu_settings({}, 1)
+    check_gpu_settings({"spark.task.resource.gpu.amount": "2"}, 2)
+    with pytest.raises(ConfigError, match="two engines on one GPU"):
+        check_gpu_settings({"spark.task.resource.gpu.amount": "0.5"}, 1)
+    with pytest.raises(ConfigError, match="tensor_parallel_size is 4"):
+        check_gpu_settings({"spark.task.resource.gpu.amount": "1"}, 4)
