@@ -112,6 +112,9 @@ class BatchConfig(BaseModel):
     max_raw_line_chars: int = Field(
         2048, ge=0, description="Characters of the raw input line kept in an error row (the rest is cut and "
         "marked with …). Keeps the errors table small when huge lines fail.")
+    max_requests: Optional[int] = Field(
+        None, ge=1, description="Most non-blank input lines one batch may hold; a larger input stops the job before "
+        "any inference. None: no limit.")
     max_stop_sequences: int = Field(4, ge=1, description="Most stop strings a request may give (OpenAI allows 4).")
     max_n: int = Field(16, ge=1, description="Largest n (choices per request) accepted.")
 
@@ -157,6 +160,10 @@ class BatchConfig(BaseModel):
         blob = json.dumps({f: getattr(self, f) for f in fields}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict safe to log: values under secret-looking keys are masked."""
+        return _redact(self.model_dump())
+
     def require(self, *names: str) -> None:
         missing = [n for n in names if getattr(self, n) in (None, "")]
         if missing:
@@ -180,6 +187,19 @@ class BatchConfig(BaseModel):
             return cls(**data)
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
+
+
+_SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "auth"}
+
+
+def _redact(value: Any, key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v, key) for v in value]
+    if value is not None and _SECRET_WORDS & set(key.lower().replace("-", "_").split("_")):
+        return "***"
+    return value
 
 
 def _env_hint(fields: list[str]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -125,6 +126,23 @@ def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence
                 + generate_isolating(generate, prompts[mid:], params[mid:], is_fatal))
 
 
+#: Fault injection for tests and drills, read on the executors. ``kill_worker_once:<marker path>`` makes the first
+#: Python worker that finishes an engine call exit hard (as if OOM-killed) before yielding its results; the marker
+#: file makes it happen once per marker. Unset in normal runs.
+FAULT_ENV = "SPARK_LLM_FAULT_INJECTION"
+
+
+def _maybe_inject_fault() -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith("kill_worker_once:"):
+        try:
+            os.close(os.open(spec.split(":", 1)[1], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        log.error("fault injection: killing Python worker %d mid-partition", os.getpid())
+        os._exit(137)
+
+
 def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     """mapInPandas body: every request of the partition in one engine call; one result row per input row."""
     import pandas as pd
@@ -155,6 +173,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     t0 = time.monotonic()
     results = generate_isolating(lambda p, s: engine.generate(p, s, use_tqdm=False), prompts, params)
     log.info("partition: %d requests in %.1fs (engine load %.1fs)", len(prompts), time.monotonic() - t0, load_s)
+    _maybe_inject_fault()
     created = int(time.time())
     for i, res in zip(index, results):
         row = rows[i]

@@ -49,13 +49,18 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
              "batch_file": f"{out_dir}/batch.json", "outputs_table": outputs_path, "errors_table": errors_path}
     created_at = int(time.time())
     write.prepare_output_dir(spark, out_dir, cfg.overwrite)
-    log.info("batch %s: reading %s", batch_id, cfg.input)
+    log.info("batch %s: settings %s", batch_id, json.dumps(cfg.redacted(), default=str))
 
     sc = spark.sparkContext
     sc.setJobGroup(batch_id, f"spark_llm {batch_id}", interruptOnCancel=True)
     sc.setJobDescription("spark_llm: read, validate and count tokens")
     requests = _prepare(spark, cfg, batch_id).persist(StorageLevel.MEMORY_AND_DISK)
     try:
+        if cfg.max_requests is not None:
+            n = requests.count()
+            if n > cfg.max_requests:
+                raise ConfigError(f"input holds {n} requests, over max_requests={cfg.max_requests}; split the input "
+                                  f"or raise the limit")
         in_progress_at = int(time.time())
         sc.setJobDescription("spark_llm: write validation errors")
         write.append_errors(_error_rows(requests.where(F.col("error_code").isNotNull()), batch_id,

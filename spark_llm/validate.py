@@ -129,10 +129,10 @@ def _custom_id(obj: dict) -> str:
 def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
     method = obj.get("method")
     if not isinstance(method, str) or method.upper() != "POST":
-        got = "missing" if "method" not in obj else repr(method)
+        got = "missing" if "method" not in obj else truncate(repr(method), 60)
         raise RequestError(ErrorCode.INVALID_METHOD, f"method must be POST, got {got}")
     url = obj.get("url")
-    if url not in _URL_KIND:
+    if not isinstance(url, str) or url not in _URL_KIND:
         got = "missing" if "url" not in obj else truncate(json.dumps(url, ensure_ascii=False), 120)
         raise RequestError(ErrorCode.UNSUPPORTED_ENDPOINT,
                            f"url must be one of {', '.join(_URL_KIND)}, got {got}")
@@ -143,7 +143,7 @@ def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
         got = "missing" if "body" not in obj else _json_type(obj["body"])
         raise RequestError(ErrorCode.INVALID_REQUEST, f"body must be a JSON object, got {got}")
     body = obj["body"]
-    kind = _URL_KIND[url]
+    kind = _URL_KIND[url]  # type: ignore[index]
     _check_model(body, ctx)
     if body.get("stream") not in (None, False):
         raise RequestError(ErrorCode.UNSUPPORTED_PARAMETER, "stream must be false or absent in a batch request")
@@ -184,7 +184,7 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(msg, dict):
             raise RequestError(ErrorCode.INVALID_REQUEST, f"{where} must be an object, got {_json_type(msg)}")
         role = msg.get("role")
-        if role not in _CHAT_ROLES:
+        if not isinstance(role, str) or role not in _CHAT_ROLES:
             got = "missing" if "role" not in msg else truncate(json.dumps(role, ensure_ascii=False), 60)
             raise RequestError(ErrorCode.INVALID_REQUEST,
                                f"{where}.role must be one of {', '.join(sorted(_CHAT_ROLES))}, got {got}")

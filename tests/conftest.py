@@ -29,7 +29,8 @@ def spark(tmp_path_factory):
     from spark_llm.session import get_session
 
     warehouse = tmp_path_factory.mktemp("warehouse")
-    session = get_session(master="local[2]", conf={
+    # local[2, 2]: two task slots, and a failed task is retried once (as on a cluster), for the fault tests
+    session = get_session(master="local[2,2]", conf={
         "spark.ui.enabled": "false",
         "spark.sql.shuffle.partitions": "2",
         "spark.sql.warehouse.dir": str(warehouse),
@@ -79,4 +80,6 @@ def engine_settings(model: str) -> dict:
     """Engine settings every engine test shares, so each Spark Python worker builds one engine for the whole run."""
     return dict(model=model, served_model_name=MODEL_NAME, max_model_len=512, max_num_seqs=32, dtype="bfloat16",
                 enforce_eager=True, kv_cache_memory_bytes=64 << 20, default_max_tokens=8,
-                target_tokens_per_partition=20_000, num_task_slots=2)
+                target_tokens_per_partition=20_000, num_task_slots=2,
+                # a vLLM limit below what validation allows, so a request can make the real engine fail
+                engine_kwargs={"max_logprobs": 3})

@@ -68,3 +68,12 @@ def test_cli_reports_missing_settings_without_traceback():
     assert proc.returncode == 2
     assert "missing required setting(s) output_dir, model" in proc.stderr or "missing required" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_redacted_settings_mask_secrets_only():
+    cfg = BatchConfig(model="/m", tokenizer="/t", engine_kwargs={"hf_token": "hf_abc", "api-key": "k",
+                                                                 "swap_space": 4})
+    red = cfg.redacted()
+    assert red["engine_kwargs"] == {"hf_token": "***", "api-key": "***", "swap_space": 4}
+    assert red["tokenizer"] == "/t" and red["default_max_tokens"] == 256
+    assert red["target_tokens_per_partition"] == 2_000_000

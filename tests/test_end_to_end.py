@@ -46,6 +46,8 @@ def build_input(root: Path) -> dict[tuple[str, int], str]:
         chat_line("tools", tools=[]),
         completion_line("too-long", "word " * 600, max_tokens=8),
         chat_line("chat-greedy", "a duplicate of line 1"),
+        # valid for the API, but over the engine's max_logprobs (3): the real engine rejects this one request
+        chat_line("engine-reject", "Hi", temperature=0, max_tokens=2, logprobs=True, top_logprobs=5),
     ]
     b = [
         chat_line("zh-1", "a duplicate of a line in another file"),
@@ -55,7 +57,7 @@ def build_input(root: Path) -> dict[tuple[str, int], str]:
     expected_a = [OK, OK, None, OK, OK, OK, OK, OK, OK, OK, "invalid_json", "invalid_json", "invalid_encoding",
                   "invalid_custom_id", "invalid_method", "unsupported_endpoint", "invalid_request",
                   "model_not_found", "invalid_request", "invalid_request", "unsupported_parameter", "invalid_request",
-                  "unsupported_parameter", "context_length_exceeded", "duplicate_custom_id"]
+                  "unsupported_parameter", "context_length_exceeded", "duplicate_custom_id", "engine_error"]
     expected_b = ["duplicate_custom_id", OK, "invalid_json"]
     root.mkdir(parents=True, exist_ok=True)
     write_jsonl(root / "a.jsonl", a)
@@ -110,6 +112,8 @@ def test_error_rows_are_attributed(spark, run):
     too_long = errs[("a.jsonl", 24)]
     assert too_long["custom_id"] == "too-long" and "512" in too_long["message"] and "max_tokens is 8" in too_long["message"]
     assert errs[("a.jsonl", 18)]["custom_id"] == "wrong-model"
+    engine = errs[("a.jsonl", 26)]
+    assert engine["custom_id"] == "engine-reject" and engine["code"] == "engine_error" and "logprobs" in engine["message"]
     assert all(r["id"].startswith("batch_req_") for r in errs.values())
 
 

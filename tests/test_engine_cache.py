@@ -37,11 +37,13 @@ def test_one_engine_per_worker_reused_across_tasks_and_jobs(spark, tiny_model):
     second = df.mapInPandas(probe(spec, [5, 6, 7, 8, 9]), schema).collect()
     rows = first + second
     assert len(rows) == 16
-    by_pid = {}
+    by_pid: dict[int, list] = {}
     for r in rows:
-        by_pid.setdefault(r["pid"], set()).add((r["builds"], r["engine_id"]))
-    # every worker process built exactly one engine, and all its tasks used that same object
-    assert all(len(v) == 1 and next(iter(v))[0] == 1 for v in by_pid.values()), by_pid
-    assert len(by_pid) <= 2  # local[2]: at most two reused Python workers
+        by_pid.setdefault(r["pid"], []).append((r["builds"], r["engine_id"]))
+    # every worker process built exactly one engine, and all of its tasks used that same object
+    assert all(len(set(v)) == 1 and v[0][0] == 1 for v in by_pid.values()), by_pid
+    # local[2] reuses its Python workers: a few processes served all 16 tasks. (Spark also reaps workers idle for
+    # over a minute, so workers left from earlier tests may have been replaced: up to 2 per job.)
+    assert len(by_pid) <= 4 and max(len(v) for v in by_pid.values()) >= 4, {p: len(v) for p, v in by_pid.items()}
     # greedy decoding: the same token ids in every task, worker and job
     assert len({r["tokens"] for r in rows}) == 1 and len(rows[0]["tokens"].split(",")) == 6
