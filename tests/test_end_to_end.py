@@ -208,7 +208,8 @@ def test_batch_object(spark, run):
                       ("a.jsonl", 13, "invalid_encoding"), ("a.jsonl", 14, "invalid_custom_id"),
                       ("b.jsonl", 3, "invalid_json")]
     plan = batch["metadata"]["partition_plan"]
-    assert plan["num_partitions"] == 2 and sum(plan["requests_per_partition"]) == result.completed
+    # every request that reached the engine was planned: the completed ones and the one the engine rejected
+    assert plan["num_partitions"] == 2 and sum(plan["requests_per_partition"]) == result.completed + 1
 
 
 def test_non_empty_output_dir_is_refused(spark, run, tiny_model):
