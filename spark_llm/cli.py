@@ -32,7 +32,21 @@ _FLAGS: list[tuple[str, str, type]] = [
     ("--num-task-slots", "num_task_slots", int),
     ("--context-overflow", "context_overflow", str),
     ("--max-line-bytes", "max_line_bytes", int),
+    ("--max-requests", "max_requests", int),
+    ("--wave-partitions", "wave_partitions", int),
+    ("--output-table-prefix", "output_table_prefix", str),
+    ("--input-table", "input_table", str),
+    ("--id-column", "id_column", str),
+    ("--body-column", "body_column", str),
+    ("--prompt-column", "prompt_column", str),
+    ("--messages-column", "messages_column", str),
+    ("--system-prompt", "system_prompt", str),
+    ("--system-prompt-column", "system_prompt_column", str),
+    ("--max-tokens-column", "max_tokens_column", str),
+    ("--temperature-column", "temperature_column", str),
+    ("--table-endpoint", "table_endpoint", str),
 ]
+_SWITCHES = ("overwrite", "enforce_eager", "resume", "retry_errors")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +66,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=field, type=typ, default=None, help=fields[field].description)
     parser.add_argument("--batch-size", dest="max_num_seqs", type=int, default=None,
                         help="alias of --max-num-seqs (the design's BATCH_SIZE)")
-    parser.add_argument("--overwrite", action="store_true", default=None, help=fields["overwrite"].description)
-    parser.add_argument("--enforce-eager", action="store_true", default=None,
-                        help=fields["enforce_eager"].description)
+    for field in _SWITCHES:
+        parser.add_argument("--" + field.replace("_", "-"), dest=field, action="store_true", default=None,
+                            help=fields[field].description)
     parser.add_argument("--master", default=None,
                         help="Spark master when spark-llm starts its own session (default local[2]); ignored "
                              "under spark-submit or in a notebook, where the active session is used")
@@ -65,10 +79,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {field: getattr(args, field) for _, field, _ in _FLAGS}
-    overrides.update(overwrite=args.overwrite, enforce_eager=args.enforce_eager)
+    overrides.update({field: getattr(args, field) for field in _SWITCHES})
     try:
         config = BatchConfig.load(args.config, **overrides)
-        config.require("model", "input", "output_dir")
+        config.require("model", "output_dir")
+        if not (config.input or config.input_table):
+            raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
         spark_conf = spark_conf_from_yaml(args.config)
     except ConfigError as exc:
         print(f"spark-llm: error: {exc}", file=sys.stderr)

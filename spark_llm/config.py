@@ -56,6 +56,40 @@ class BatchConfig(BaseModel):
     errors_table_path: Optional[str] = Field(
         None, description="Delta path of the errors table; default <output_dir>/delta/errors.")
 
+    output_table_prefix: Optional[str] = Field(
+        None, description="Write results as managed catalog tables <prefix>outputs and <prefix>errors (e.g. "
+        "main.llm.batch_) instead of Delta paths under output_dir; many batches share them, keyed by batch_id.")
+    resume: bool = Field(
+        False, description="Continue batch_id where an earlier run stopped: requests already in the outputs or "
+        "errors table are skipped, nothing is written twice. Needs batch_id.")
+    retry_errors: bool = Field(
+        False, description="With resume: run again the requests whose earlier error was transient (engine_error).")
+    wave_partitions: Optional[int] = Field(
+        None, ge=1, description="Inference partitions per Delta commit. A crash loses at most the wave in flight; "
+        "smaller waves commit more often but leave GPUs idle at each wave's tail. Default: 2 x task slots.")
+
+    # ---- table input ------------------------------------------------------------------------------------------
+    input_table: Optional[str] = Field(
+        None, description="Catalog table to read requests from (Delta, Parquet or anything Spark reads) instead of "
+        "input. A Delta table path can also be given as input.")
+    id_column: Optional[str] = Field(
+        None, description="Table input: column holding the request id (cast to string). Default custom_id; when "
+        "the table has neither, the id is row-<sha256 of the row's JSON>[:16] (identical rows share an id).")
+    body_column: str = Field("body", description="Table input, OpenAI shape: column with the request body (a JSON "
+                             "string or a struct).")
+    prompt_column: Optional[str] = Field(None, description="Table input, plain shape: column with the prompt text "
+                                         "(sent as the user message, or as the completion prompt).")
+    messages_column: Optional[str] = Field(None, description="Table input, plain shape: column with chat messages "
+                                           "(a JSON string or an array of {role, content} structs).")
+    system_prompt: Optional[str] = Field(None, description="Table input, plain shape: system message put before "
+                                         "each prompt.")
+    system_prompt_column: Optional[str] = Field(None, description="Table input, plain shape: column with a "
+                                                "per-row system message (wins over system_prompt).")
+    max_tokens_column: Optional[str] = Field(None, description="Table input, plain shape: per-row max_tokens.")
+    temperature_column: Optional[str] = Field(None, description="Table input, plain shape: per-row temperature.")
+    table_endpoint: Literal["/v1/chat/completions", "/v1/completions"] = Field(
+        "/v1/chat/completions", description="Table input, plain shape: endpoint the rows are sent to.")
+
     # ---- model / engine ---------------------------------------------------------------------------------------
     model: Optional[str] = Field(
         None, description="Model directory (Hugging Face layout) readable at the same path on every executor, "
@@ -137,6 +171,16 @@ class BatchConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _check_combinations(self) -> "BatchConfig":
+        if self.resume and not self.batch_id:
+            raise ValueError("resume needs the batch_id of the run to continue (--batch-id)")
+        if self.retry_errors and not self.resume:
+            raise ValueError("retry_errors only applies with resume")
+        if self.prompt_column and self.messages_column:
+            raise ValueError("give prompt_column or messages_column, not both")
+        return self
+
+    @model_validator(mode="after")
     def _fill_names(self) -> "BatchConfig":
         if self.model and not self.served_model_name:
             object.__setattr__(self, "served_model_name", Path(self.model.rstrip("/")).name)
@@ -149,6 +193,9 @@ class BatchConfig(BaseModel):
         return self.batch_id  # type: ignore[return-value]
 
     def table_paths(self) -> tuple[str, str]:
+        """Where the outputs and errors tables live: catalog names (with output_table_prefix) or Delta paths."""
+        if self.output_table_prefix:
+            return f"{self.output_table_prefix}outputs", f"{self.output_table_prefix}errors"
         base = (self.output_dir or "").rstrip("/")
         return (self.outputs_table_path or f"{base}/delta/outputs", self.errors_table_path or f"{base}/delta/errors")
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -34,6 +35,12 @@ class PartitionPlan:
     target_tokens_per_partition: int
     tokens_per_partition: list[int] = field(default_factory=list)
     requests_per_partition: list[int] = field(default_factory=list)
+    persisted: list = field(default_factory=list, repr=False)  # frames to unpersist when the plan is done
+
+    def release(self) -> None:
+        for df in reversed(self.persisted):
+            df.unpersist()
+        self.persisted = []
 
     @property
     def balance_ratio(self) -> float:
@@ -98,26 +105,35 @@ def _assign(batches: Iterator, offsets: dict[int, int], per_part: float, parts: 
         yield pdf
 
 
-def _hash_keys(spark: SparkSession, parts: int) -> DataFrame:
-    """A key per partition index such that Spark's hash partitioner sends it to exactly that partition."""
+def _hash_keys(spark: SparkSession, parts: int, first: int = 0) -> DataFrame:
+    """For planned partitions ``first .. first+parts-1``: a key that Spark's hash partitioner (over ``parts``
+    partitions) sends to exactly slot ``_part - first``."""
     search = parts * 64
     while True:
         keys = (spark.range(search).select(F.col("id").alias("_key"),
-                                           F.expr(f"pmod(hash(id), {parts})").cast("int").alias(PART_COL))
-                .groupBy(PART_COL).agg(F.min("_key").alias("_key")))
+                                           F.expr(f"pmod(hash(id), {parts})").cast("int").alias("_slot"))
+                .groupBy("_slot").agg(F.min("_key").alias("_key")))
         found = keys.collect()  # `parts` rows of metadata
         if len(found) == parts:
-            return spark.createDataFrame([(int(r[PART_COL]), int(r["_key"])) for r in found],
+            return spark.createDataFrame([(first + int(r["_slot"]), int(r["_key"])) for r in found],
                                          T.StructType([T.StructField(PART_COL, T.IntegerType()),
                                                        T.StructField("_key", T.LongType())]))
         search *= 4
 
 
-def balance(df: DataFrame, *, target_tokens: int, slots: int) -> tuple[DataFrame, PartitionPlan]:
-    """Repartition valid requests (with ``est_tokens``) by estimated tokens. ``df`` should be persisted: its
-    partitioning must stay the same between the sums pass and the assignment pass."""
-    spark = df.sparkSession
-    sums = _partition_sums(df)
+def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int,
+                    order_col: str = "id") -> tuple[DataFrame, PartitionPlan]:
+    """Assign each valid request (with ``est_tokens``) a planned partition ``_part`` so that estimated tokens are
+    balanced. ``order_col`` must identify rows uniquely; which rows form a partition of ``df`` must not change
+    between computations (true of persisted frames and of shuffles by key). The returned frame is persisted: call
+    ``plan.release()`` when done with it."""
+    # The assignment must come out the same each time it is computed: rows are hashed by their unique id into a
+    # fixed number of partitions (so AQE cannot regroup them) and sorted inside each; the result is persisted.
+    if order_col in df.columns:
+        shuffle_parts = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
+        df = df.repartition(shuffle_parts, order_col).sortWithinPartitions(order_col)
+    ordered = df.persist(StorageLevel.MEMORY_AND_DISK)
+    sums = _partition_sums(ordered)
     total = sum(sums.values())
     parts = num_partitions(total, target_tokens, slots)
     offsets, running = {}, 0
@@ -126,17 +142,32 @@ def balance(df: DataFrame, *, target_tokens: int, slots: int) -> tuple[DataFrame
         running += sums[pid]
     per_part = max(total / parts, 1.0)
     schema = T.StructType(df.schema.fields + [T.StructField(PART_COL, T.IntegerType())])
-    assigned = df.mapInPandas(lambda it: _assign(it, offsets, per_part, parts), schema)
-    keyed = assigned.join(F.broadcast(_hash_keys(spark, parts)), PART_COL)
-    out = (keyed.repartition(parts, "_key")
-           .sortWithinPartitions(F.slice("prompt_token_ids", 1, _PREFIX_TOKENS), F.col("prompt_tokens").desc())
-           .drop("_key"))
+    assigned = ordered.mapInPandas(lambda it: _assign(it, offsets, per_part, parts), schema) \
+        .persist(StorageLevel.MEMORY_AND_DISK)
     plan = PartitionPlan(num_partitions=parts, task_slots=slots, total_estimated_tokens=total,
-                         target_tokens_per_partition=target_tokens)
+                         target_tokens_per_partition=target_tokens, persisted=[ordered, assigned])
     stats = {int(r[PART_COL]): (int(r["t"]), int(r["c"])) for r in
              assigned.groupBy(PART_COL).agg(F.sum("est_tokens").alias("t"), F.count(F.lit(1)).alias("c")).collect()}
     plan.tokens_per_partition = [stats.get(i, (0, 0))[0] for i in range(parts)]
     plan.requests_per_partition = [stats.get(i, (0, 0))[1] for i in range(parts)]
     log.info("partition plan: %d partitions for %d estimated tokens (%d task slots), balance max/mean %.3f",
              parts, total, slots, plan.balance_ratio)
-    return out, plan
+    return assigned, plan
+
+
+def materialize(assigned: DataFrame, first: int, count: int) -> DataFrame:
+    """Planned partitions ``first .. first+count-1`` as exactly ``count`` Spark partitions, one planned partition
+    each, rows sharing a prompt prefix adjacent (vLLM prefix caching), longer prompts first."""
+    spark = assigned.sparkSession
+    wave = assigned.where(F.col(PART_COL).between(first, first + count - 1))
+    keyed = wave.join(F.broadcast(_hash_keys(spark, count, first)), PART_COL)
+    return (keyed.repartition(count, "_key")
+            .sortWithinPartitions(F.slice("prompt_token_ids", 1, _PREFIX_TOKENS), F.col("prompt_tokens").desc())
+            .drop("_key"))
+
+
+def balance(df: DataFrame, *, target_tokens: int, slots: int,
+            order_col: str = "id") -> tuple[DataFrame, PartitionPlan]:
+    """All planned partitions at once: :func:`plan_partitions` then :func:`materialize`."""
+    assigned, plan = plan_partitions(df, target_tokens=target_tokens, slots=slots, order_col=order_col)
+    return materialize(assigned, 0, plan.num_partitions), plan

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -17,11 +18,12 @@ from . import write
 from .config import BatchConfig, ConfigError
 from .engine import EngineSpec, check_gpu_settings
 from .errors import EngineStartError, ErrorCode
-from .infer import InferContext, infer_partition
-from .partition import balance, estimate_cost, task_slots
-from .read import read_lines
+from .infer import FAULT_ENV, InferContext, infer_partition
+from .partition import estimate_cost, materialize, plan_partitions, task_slots
+from .read import read_input
 from .report import BatchResult, batch_object, counts, to_json, unattributed_errors
-from .schemas import OUTPUTS_SCHEMA, RESULT_SCHEMA, TOKENIZED_SCHEMA, VALIDATED_SCHEMA
+from .schemas import (ERRORS_COLUMNS, ERRORS_SCHEMA, OUTPUTS_COLUMNS, OUTPUTS_SCHEMA, RESULT_SCHEMA,
+                      TOKENIZED_SCHEMA, VALIDATED_SCHEMA)
 from .session import check_delta
 from .tokens import TokenContext, count_batches
 from .validate import ValidationContext, validate_batches
@@ -34,27 +36,31 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
 
     Raises :class:`~spark_llm.config.ConfigError` for bad settings and
     :class:`~spark_llm.errors.EngineStartError` when no engine can start; every problem with a single request
-    becomes an error row instead.
+    becomes an error row instead. With ``resume`` the run continues ``batch_id`` and writes only what is missing.
     """
     if not isinstance(config, BatchConfig):
         raise TypeError(f"config must be a spark_llm.BatchConfig, got {type(config).__name__}")
-    config.require("model", "input", "output_dir")
+    config.require("model", "output_dir")
+    if not (config.input or config.input_table):
+        raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
     check_delta(spark)
     check_gpu_settings(dict(spark.sparkContext.getConf().getAll()), config.tensor_parallel_size)
     cfg = config.model_copy(update={"max_model_len": resolve_max_model_len(config)})
     batch_id = cfg.resolved_batch_id()
     out_dir = cfg.output_dir.rstrip("/")  # type: ignore[union-attr]
-    outputs_path, errors_path = cfg.table_paths()
+    outputs_table, errors_table = cfg.table_paths()
     paths = {"output_file": f"{out_dir}/output.jsonl", "error_file": f"{out_dir}/errors.jsonl",
-             "batch_file": f"{out_dir}/batch.json", "outputs_table": outputs_path, "errors_table": errors_path}
-    created_at = int(time.time())
-    write.prepare_output_dir(spark, out_dir, cfg.overwrite)
+             "batch_file": f"{out_dir}/batch.json", "outputs_table": outputs_table, "errors_table": errors_table}
+    created_at = _previous_created_at(spark, paths["batch_file"]) if cfg.resume else None
+    created_at = created_at or int(time.time())
+    _prepare_destination(spark, cfg, batch_id, out_dir, outputs_table, errors_table)
     log.info("batch %s: settings %s", batch_id, json.dumps(cfg.redacted(), default=str))
 
     sc = spark.sparkContext
     sc.setJobGroup(batch_id, f"spark_llm {batch_id}", interruptOnCancel=True)
     sc.setJobDescription("spark_llm: read, validate and count tokens")
     requests = _prepare(spark, cfg, batch_id).persist(StorageLevel.MEMORY_AND_DISK)
+    plan, endpoints, skipped = None, [], 0
     try:
         if cfg.max_requests is not None:
             n = requests.count()
@@ -62,45 +68,86 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
                 raise ConfigError(f"input holds {n} requests, over max_requests={cfg.max_requests}; split the input "
                                   f"or raise the limit")
         in_progress_at = int(time.time())
+        pending = requests
+        if cfg.resume:
+            done = _finished_ids(spark, cfg, batch_id, outputs_table, errors_table)
+            pending = requests.join(done, "id", "left_anti")
+            skipped = requests.count() - pending.count()
+            log.info("batch %s: resuming, %d requests already answered", batch_id, skipped)
         sc.setJobDescription("spark_llm: write validation errors")
-        write.append_errors(_error_rows(requests.where(F.col("error_code").isNotNull()), batch_id,
-                                        cfg.max_raw_line_chars), errors_path)
-        valid = estimate_cost(requests.where(F.col("error_code").isNull()))
+        write.insert_errors(_error_rows(pending.where(F.col("error_code").isNotNull()), batch_id,
+                                        cfg.max_raw_line_chars), errors_table, batch_id)
+        valid = estimate_cost(pending.where(F.col("error_code").isNull()))
         sc.setJobDescription("spark_llm: plan partitions")
-        plan = None
         endpoints = [r["url"] for r in valid.select("url").distinct().limit(3).collect()]
         if endpoints:
-            balanced, plan_obj = balance(valid, target_tokens=cfg.target_tokens_per_partition,
-                                         slots=task_slots(spark, cfg.num_task_slots))
-            plan = plan_obj.as_dict()
-            _infer_and_write(spark, cfg, balanced, batch_id, out_dir, outputs_path, errors_path)
-        else:  # nothing to infer: still create the outputs table so readers find it
-            write.append_outputs(spark.createDataFrame([], OUTPUTS_SCHEMA), outputs_path)
+            plan = _infer_in_waves(spark, cfg, valid, batch_id, out_dir, outputs_table, errors_table)
+        elif cfg.resume:
+            log.info("batch %s: nothing left to run; no new rows written", batch_id)
     finally:
         requests.unpersist()
 
     sc.setJobDescription("spark_llm: write OpenAI files and batch.json")
-    outputs = _batch_rows(spark, outputs_path, batch_id)
-    errors = _batch_rows(spark, errors_path, batch_id)
+    outputs = _batch_rows(spark, outputs_table, batch_id)
+    errors = _batch_rows(spark, errors_table, batch_id)
     write.write_jsonl(spark, write.output_lines(outputs), paths["output_file"])
     write.write_jsonl(spark, write.error_lines(errors), paths["error_file"])
     c = counts(outputs, errors)
     errors_data, errors_total = unattributed_errors(errors)
     finished = int(time.time())
     batch = batch_object(batch_id=batch_id, endpoint=endpoints[0] if len(endpoints) == 1 else None,
-                         model=cfg.served_model_name or "", input_path=cfg.input or "", status="completed",
-                         created_at=created_at, in_progress_at=in_progress_at, finalizing_at=finished,
-                         completed_at=finished, failed_at=None, c=c, errors_data=errors_data,
-                         errors_total=errors_total, paths=paths, plan=plan)
+                         model=cfg.served_model_name or "", input_path=cfg.input or cfg.input_table or "",
+                         status="completed", created_at=created_at, in_progress_at=in_progress_at,
+                         finalizing_at=finished, completed_at=finished, failed_at=None, c=c,
+                         errors_data=errors_data, errors_total=errors_total, paths=paths, plan=plan)
     write.write_text_atomic(spark, paths["batch_file"], to_json(batch))
     sc.setJobDescription(None)
     result = BatchResult(batch_id=batch_id, status="completed", total=c["completed"] + c["failed"],
                          completed=c["completed"], failed=c["failed"], input_tokens=c["input_tokens"],
-                         output_tokens=c["output_tokens"], output_dir=out_dir, outputs_table=outputs_path,
-                         errors_table=errors_path, output_file=paths["output_file"], error_file=paths["error_file"],
-                         batch_file=paths["batch_file"], batch=batch)
+                         output_tokens=c["output_tokens"], output_dir=out_dir, outputs_table=outputs_table,
+                         errors_table=errors_table, output_file=paths["output_file"], error_file=paths["error_file"],
+                         batch_file=paths["batch_file"], skipped=skipped, batch=batch)
     log.info("%s", result.summary())
     return result
+
+
+def _prepare_destination(spark: SparkSession, cfg: BatchConfig, batch_id: str, out_dir: str, outputs_table: str,
+                         errors_table: str) -> None:
+    """Output dir and tables ready: refuse to clobber earlier results unless told to overwrite or resume."""
+    if not cfg.resume:
+        write.prepare_output_dir(spark, out_dir, cfg.overwrite)
+        for table in (outputs_table, errors_table):
+            if write.table_exists(spark, table) and not write.read_table(spark, table).where(
+                    F.col("batch_id") == batch_id).limit(1).rdd.isEmpty():
+                if not cfg.overwrite:
+                    raise ConfigError(f"table {table} already holds rows of batch {batch_id!r}; pass --resume to "
+                                      f"continue that batch, --overwrite to redo it, or use a new --batch-id")
+                write.delete_rows(spark, table, F.col("batch_id") == batch_id)
+    else:
+        write.mkdirs(spark, out_dir)
+    write.ensure_table(spark, outputs_table, OUTPUTS_COLUMNS, OUTPUTS_SCHEMA)
+    write.ensure_table(spark, errors_table, ERRORS_COLUMNS, ERRORS_SCHEMA)
+
+
+def _finished_ids(spark: SparkSession, cfg: BatchConfig, batch_id: str, outputs_table: str,
+                  errors_table: str) -> DataFrame:
+    """Ids of this batch already answered, as of now; with retry_errors, transient engine errors are first removed
+    (to be rerun)."""
+    if cfg.retry_errors:
+        write.delete_rows(spark, errors_table, (F.col("batch_id") == batch_id)
+                          & (F.col("code") == ErrorCode.ENGINE_ERROR.value))
+    # pinned snapshots: the waves about to commit must not change which requests count as pending
+    ids = [write.read_table(spark, t, write.current_version(spark, t)).where(F.col("batch_id") == batch_id)
+           .select("id") for t in (outputs_table, errors_table)]
+    return ids[0].unionByName(ids[1]).distinct()
+
+
+def _previous_created_at(spark: SparkSession, batch_file: str) -> Optional[int]:
+    try:
+        rows = spark.read.text(batch_file, wholetext=True).collect() if write.exists(spark, batch_file) else []
+        return int(json.loads(rows[0]["value"])["created_at"]) if rows else None
+    except Exception:  # unreadable summary of an interrupted run: start a new clock
+        return None
 
 
 def resolve_max_model_len(cfg: BatchConfig) -> int:
@@ -129,7 +176,7 @@ def _prepare(spark: SparkSession, cfg: BatchConfig, batch_id: str) -> DataFrame:
         max_stop_sequences=cfg.max_stop_sequences, max_n=cfg.max_n)
     tctx = TokenContext(tokenizer_path=cfg.tokenizer or cfg.model or "", max_model_len=int(cfg.max_model_len or 0),
                         context_overflow=cfg.context_overflow)
-    lines = read_lines(spark, cfg.input or "")
+    lines = read_input(spark, cfg)
     validated = lines.mapInPandas(lambda it: validate_batches(it, vctx), VALIDATED_SCHEMA)
     deduped = mark_duplicates(validated)
     tokenized = deduped.mapInPandas(lambda it: count_batches(it, tctx), TOKENIZED_SCHEMA)
@@ -178,29 +225,54 @@ def _error_rows(df: DataFrame, batch_id: str, max_raw: int) -> DataFrame:
                      cut.alias("raw_line"), F.current_timestamp().alias("created_at"))
 
 
-def _infer_and_write(spark: SparkSession, cfg: BatchConfig, balanced: DataFrame, batch_id: str, out_dir: str,
-                     outputs_path: str, errors_path: str) -> None:
+def _infer_in_waves(spark: SparkSession, cfg: BatchConfig, valid: DataFrame, batch_id: str, out_dir: str,
+                    outputs_table: str, errors_table: str) -> dict:
+    """Plan token-balanced partitions, then infer them a wave at a time, one Delta commit per table per wave."""
+    slots = task_slots(spark, cfg.num_task_slots)
+    assigned, plan = plan_partitions(valid, target_tokens=cfg.target_tokens_per_partition, slots=slots)
+    wave = cfg.wave_partitions or 2 * slots
     ictx = InferContext(engine=EngineSpec.from_config(cfg), served_model_name=cfg.served_model_name or "",
                         batch_id=batch_id)
     staging = f"{out_dir}/_staging/results"
-    keep = balanced.select("id", "request_id", "custom_id", "file", "line_number", "url", "kind", "request",
-                           "sampling_json", "prompt_token_ids", "prompt_tokens", "notes")
-    results = keep.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA)
-    spark.sparkContext.setJobDescription("spark_llm: infer")
-    try:
-        results.write.mode("overwrite").parquet(staging)
-    except Exception as exc:
-        raise _engine_failure(exc) from None
-    staged = spark.read.parquet(staging)
-    spark.sparkContext.setJobDescription("spark_llm: write outputs")
-    ok = staged.where(F.col("error_code").isNull()).select(
-        F.lit(batch_id).alias("batch_id"), "id", "custom_id", "request_id", "file", "line_number",
-        F.col("url").alias("endpoint"), "model", "text", "finish_reason", "prompt_tokens", "completion_tokens",
-        "total_tokens", "notes", F.timestamp_seconds("created").alias("created_at"), "response_body", "request")
-    write.append_outputs(ok, outputs_path)
-    failed = staged.where(F.col("error_code").isNotNull()).withColumn("raw_line", F.lit(None).cast("string"))
-    write.append_errors(_error_rows(failed, batch_id, cfg.max_raw_line_chars), errors_path)
+    waves = range(0, plan.num_partitions, wave)
+    for number, first in enumerate(waves, start=1):
+        count = min(wave, plan.num_partitions - first)
+        spark.sparkContext.setJobDescription(f"spark_llm: infer wave {number}/{len(waves)}")
+        keep = materialize(assigned, first, count).select(
+            "id", "request_id", "custom_id", "file", "line_number", "url", "kind", "request", "sampling_json",
+            "prompt_token_ids", "prompt_tokens", "notes")
+        results = keep.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA)
+        try:
+            results.write.mode("overwrite").parquet(staging)
+        except Exception as exc:
+            raise _engine_failure(exc) from None
+        staged = spark.read.parquet(staging)
+        planned, got = sum(plan.requests_per_partition[first:first + count]), staged.count()
+        if got != planned:  # the conservation check: one result per planned request
+            raise RuntimeError(f"wave {number}: {got} results for {planned} planned requests; nothing of this wave "
+                               f"was committed, rerun with --resume")
+        spark.sparkContext.setJobDescription(f"spark_llm: commit wave {number}/{len(waves)}")
+        ok = staged.where(F.col("error_code").isNull()).select(
+            F.lit(batch_id).alias("batch_id"), "id", "custom_id", "request_id", "file", "line_number",
+            F.col("url").alias("endpoint"), "model", "text", "finish_reason", "prompt_tokens", "completion_tokens",
+            "total_tokens", "notes", F.timestamp_seconds("created").alias("created_at"), "response_body", "request")
+        write.insert_outputs(ok, outputs_table, batch_id)
+        failed = staged.where(F.col("error_code").isNotNull()).withColumn("raw_line", F.lit(None).cast("string"))
+        write.insert_errors(_error_rows(failed, batch_id, cfg.max_raw_line_chars), errors_table, batch_id)
+        log.info("batch %s: wave %d/%d committed (%d partitions)", batch_id, number, len(waves), count)
+        _maybe_exit_after_wave(number)
     write.delete(spark, f"{out_dir}/_staging")
+    plan.release()
+    return plan.as_dict()
+
+
+def _maybe_exit_after_wave(number: int) -> None:
+    """Fault injection for resume tests and drills: ``exit_after_wave:N`` ends the driver hard after wave N."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith("exit_after_wave:") and int(spec.split(":", 1)[1]) == number:
+        log.error("fault injection: driver exits after wave %d", number)
+        logging.shutdown()
+        os._exit(137)
 
 
 _ENGINE_ERR = re.compile(r"EngineStartError: (.+?)(?:\n|$)")
@@ -214,5 +286,5 @@ def _engine_failure(exc: Exception) -> Exception:
     return exc
 
 
-def _batch_rows(spark: SparkSession, path: str, batch_id: str) -> DataFrame:
-    return spark.read.format("delta").load(path).where(F.col("batch_id") == batch_id)
+def _batch_rows(spark: SparkSession, table: str, batch_id: str) -> DataFrame:
+    return write.read_table(spark, table).where(F.col("batch_id") == batch_id)

@@ -30,6 +30,7 @@ class BatchResult:
     output_file: str
     error_file: str
     batch_file: str
+    skipped: int = 0
     batch: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -37,8 +38,9 @@ class BatchResult:
         return self.input_tokens + self.output_tokens
 
     def summary(self) -> str:
+        resumed = f" ({self.skipped} already answered before this run)" if self.skipped else ""
         return (f"batch {self.batch_id}: {self.status}; {self.total} requests, {self.completed} completed, "
-                f"{self.failed} failed; tokens in {self.input_tokens}, out {self.output_tokens}\n"
+                f"{self.failed} failed{resumed}; tokens in {self.input_tokens}, out {self.output_tokens}\n"
                 f"  outputs table: {self.outputs_table}\n  errors table:  {self.errors_table}\n"
                 f"  output file:   {self.output_file}\n  error file:    {self.error_file}\n"
                 f"  batch object:  {self.batch_file}")

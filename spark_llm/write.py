@@ -8,7 +8,7 @@ written.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -38,6 +38,11 @@ def delete(spark: SparkSession, path: str) -> None:
     fs, hpath = _fs(spark, path)
     if fs.exists(hpath):
         fs.delete(hpath, True)
+
+
+def mkdirs(spark: SparkSession, path: str) -> None:
+    fs, hpath = _fs(spark, path)
+    fs.mkdirs(hpath)
 
 
 def prepare_output_dir(spark: SparkSession, output_dir: str, overwrite: bool) -> None:
@@ -100,24 +105,75 @@ def merge_parts(spark: SparkSession, parts_dir: str, dest: str) -> None:
 
 # ---- Delta tables -----------------------------------------------------------------------------------------------
 
+def _is_name(table: str) -> bool:
+    """Catalog names (catalog.schema.table) have no slash or scheme; everything else is a Delta path."""
+    return "/" not in table and ":" not in table
+
+
+def table_exists(spark: SparkSession, table: str) -> bool:
+    if _is_name(table):
+        return bool(spark.catalog.tableExists(table))
+    return exists(spark, table.rstrip("/") + "/_delta_log")
+
+
+def read_table(spark: SparkSession, table: str, version: Optional[int] = None) -> DataFrame:
+    """The table, or its snapshot at ``version`` (Delta time travel) so that later commits do not change it."""
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    return reader.table(table) if _is_name(table) else reader.load(table)
+
+
+def current_version(spark: SparkSession, table: str) -> int:
+    return int(_delta(spark, table).history(1).select("version").first()[0])
+
+
+def _delta(spark: SparkSession, table: str) -> Any:
+    from delta.tables import DeltaTable
+
+    return DeltaTable.forName(spark, table) if _is_name(table) else DeltaTable.forPath(spark, table)
+
+
 def _conform(df: DataFrame, columns: dict) -> DataFrame:
     """Select the table's columns in order, cast, with their comments as column metadata."""
     return df.select([F.col(name).cast(dtype).alias(name, metadata={"comment": comment})
                       for name, (dtype, comment) in columns.items()])
 
 
-def append_table(df: DataFrame, path: str, columns: dict) -> None:
-    """Append rows to the Delta table at ``path`` (created on first write, partitioned by batch_id)."""
-    (_conform(df, columns).write.format("delta").mode("append").partitionBy("batch_id")
-     .option("mergeSchema", "false").save(path))
+def ensure_table(spark: SparkSession, table: str, columns: dict, schema: Any) -> None:
+    """Create the (empty) Delta table, partitioned by batch_id, with column comments, if it does not exist."""
+    if table_exists(spark, table):
+        return
+    writer = _conform(spark.createDataFrame([], schema), columns).write.format("delta").partitionBy("batch_id")
+    if _is_name(table):
+        writer.saveAsTable(table)
+    else:
+        writer.save(table)
 
 
-def append_outputs(df: DataFrame, path: str) -> None:
-    append_table(df, path, OUTPUTS_COLUMNS)
+def insert_new(df: DataFrame, table: str, columns: dict, batch_id: str) -> None:
+    """Insert the rows whose (batch_id, id) is not in the table yet: one Delta MERGE, so a retried or resumed write
+    never adds a second row for the same request."""
+    spark = df.sparkSession
+    source = _conform(df, columns).alias("s")
+    quoted = batch_id.replace("'", "''")
+    (_delta(spark, table).alias("t")
+     .merge(source, f"t.batch_id = '{quoted}' AND t.id = s.id")
+     .whenNotMatchedInsertAll()
+     .execute())
 
 
-def append_errors(df: DataFrame, path: str) -> None:
-    append_table(df, path, ERRORS_COLUMNS)
+def delete_rows(spark: SparkSession, table: str, condition: Column) -> None:
+    if table_exists(spark, table):
+        _delta(spark, table).delete(condition)
+
+
+def insert_outputs(df: DataFrame, table: str, batch_id: str) -> None:
+    insert_new(df, table, OUTPUTS_COLUMNS, batch_id)
+
+
+def insert_errors(df: DataFrame, table: str, batch_id: str) -> None:
+    insert_new(df, table, ERRORS_COLUMNS, batch_id)
 
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------

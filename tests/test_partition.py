@@ -37,7 +37,7 @@ def test_balance_evens_out_estimated_tokens(spark):
     df = skewed_requests(spark)
     try:
         total = df.agg(F.sum("est_tokens")).first()[0]
-        out, plan = balance(df, target_tokens=total // 7, slots=4)
+        out, plan = balance(df, target_tokens=total // 7, slots=4, order_col="custom_id")
         assert plan.num_partitions == 8 and out.rdd.getNumPartitions() == 8
         assert plan.total_estimated_tokens == total
         per_task = (out.groupBy(F.spark_partition_id().alias("p")).agg(F.sum("est_tokens").alias("t"),
@@ -62,7 +62,7 @@ def test_rows_sharing_a_prefix_are_adjacent(spark):
                                                    "prompt_tokens long, max_tokens long, sampling_json string"))
     df = df.persist()
     try:
-        out, plan = balance(df, target_tokens=10_000, slots=1)
+        out, plan = balance(df, target_tokens=10_000, slots=1, order_col="custom_id")
         ids = [r["prompt_token_ids"][3] for r in out.collect()]
         assert ids == sorted(ids)
         assert PART_COL in out.columns
