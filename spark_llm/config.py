@@ -68,6 +68,9 @@ class BatchConfig(BaseModel):
         None, ge=1, description="Inference partitions per Delta commit. A crash loses at most the wave in flight; "
         "smaller waves commit more often but leave GPUs idle at each wave's tail. Default: 2 x task slots.")
 
+    progress_interval_seconds: float = Field(
+        30.0, gt=0, description="Seconds between progress lines on the driver log during inference.")
+
     # ---- table input ------------------------------------------------------------------------------------------
     input_table: Optional[str] = Field(
         None, description="Catalog table to read requests from (Delta, Parquet or anything Spark reads) instead of "
@@ -198,6 +201,11 @@ class BatchConfig(BaseModel):
             return f"{self.output_table_prefix}outputs", f"{self.output_table_prefix}errors"
         base = (self.output_dir or "").rstrip("/")
         return (self.outputs_table_path or f"{base}/delta/outputs", self.errors_table_path or f"{base}/delta/errors")
+
+    def metrics_table(self) -> str:
+        if self.output_table_prefix:
+            return f"{self.output_table_prefix}metrics"
+        return f"{(self.output_dir or '').rstrip('/')}/delta/metrics"
 
     def engine_key(self) -> str:
         """Id of the engine settings, made on the driver: workers reuse a cached engine while it matches."""

@@ -29,6 +29,8 @@ class InferContext:
     engine: EngineSpec
     served_model_name: str
     batch_id: str
+    wave: int = 0
+    metrics: Any = None  # a Spark accumulator of per-partition records (see metrics.py), or None
 
 
 # ---- OpenAI bodies -------------------------------------------------------------------------------------------
@@ -147,6 +149,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     """mapInPandas body: every request of the partition in one engine call; one result row per input row."""
     import pandas as pd
 
+    started = time.time()
     frames = [pdf for pdf in batches if len(pdf)]
     if not frames:
         return
@@ -172,7 +175,8 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     engine, load_s = get_engine(ctx.engine)
     t0 = time.monotonic()
     results = generate_isolating(lambda p, s: engine.generate(p, s, use_tqdm=False), prompts, params)
-    log.info("partition: %d requests in %.1fs (engine load %.1fs)", len(prompts), time.monotonic() - t0, load_s)
+    engine_s = time.monotonic() - t0
+    log.info("partition: %d requests in %.1fs (engine load %.1fs)", len(prompts), engine_s, load_s)
     _maybe_inject_fault()
     created = int(time.time())
     for i, res in zip(index, results):
@@ -192,6 +196,8 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
         )
     if len(rows) != n:  # the conservation check: one result per request, in order
         raise AssertionError(f"inference produced {len(rows)} rows for {n} requests")
+    if ctx.metrics is not None:
+        ctx.metrics.add([_metrics_record(ctx, pdf, rows, started, load_s, engine_s)])
     out = pd.DataFrame(rows, columns=list(RESULT_FIELDS))
     for col in ("line_number", "prompt_tokens", "completion_tokens", "total_tokens", "created"):
         out[col] = out[col].astype("Int64")
@@ -205,3 +211,18 @@ def _base_row(pdf: Any, i: int, ctx: InferContext) -> dict:
                model=ctx.served_model_name, request=pdf["request"].iat[i], notes=pdf["notes"].iat[i],
                prompt_tokens=int(pdf["prompt_tokens"].iat[i]))
     return row
+
+
+def _metrics_record(ctx: InferContext, pdf: Any, rows: list, started: float, load_s: float, engine_s: float) -> dict:
+    ok = [r for r in rows if r["error_code"] is None]
+    errors: dict[str, int] = {}
+    for r in rows:
+        if r["error_code"] is not None:
+            errors[r["error_code"]] = errors.get(r["error_code"], 0) + 1
+    p_tok = sum(r["prompt_tokens"] for r in ok)
+    c_tok = sum(r["completion_tokens"] for r in ok)
+    return {"wave": ctx.wave, "partition": int(pdf["_part"].iat[0]) if "_part" in pdf else -1,
+            "worker_pid": os.getpid(), "rows": len(rows), "prompt_tokens": p_tok, "completion_tokens": c_tok,
+            "engine_load_seconds": round(load_s, 3), "engine_seconds": round(engine_s, 3),
+            "tokens_per_second": round((p_tok + c_tok) / engine_s, 1) if engine_s > 0 else 0.0,
+            "errors_by_code": json.dumps(errors, sort_keys=True), "started_at": started, "finished_at": time.time()}

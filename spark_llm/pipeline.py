@@ -7,23 +7,26 @@ import logging
 import os
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from . import write
+from . import report_html, write
 from .config import BatchConfig, ConfigError
 from .engine import EngineSpec, check_gpu_settings
 from .errors import EngineStartError, ErrorCode
 from .infer import FAULT_ENV, InferContext, infer_partition
-from .partition import estimate_cost, materialize, plan_partitions, task_slots
+from .partition import PART_COL, estimate_cost, materialize, plan_partitions, task_slots
 from .read import read_input
-from .report import BatchResult, batch_object, counts, to_json, unattributed_errors
+from .report import (BatchResult, batch_object, counts, errors_by_code, prompt_histogram, to_json,
+                     unattributed_errors)
 from .schemas import (ERRORS_COLUMNS, ERRORS_SCHEMA, OUTPUTS_COLUMNS, OUTPUTS_SCHEMA, RESULT_SCHEMA,
                       TOKENIZED_SCHEMA, VALIDATED_SCHEMA)
+from .metrics import METRICS_COLUMNS, ListParam, ProgressReporter, latest_records, progress_line
 from .session import check_delta
 from .tokens import TokenContext, count_batches
 from .validate import ValidationContext, validate_batches
@@ -50,13 +53,16 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     out_dir = cfg.output_dir.rstrip("/")  # type: ignore[union-attr]
     outputs_table, errors_table = cfg.table_paths()
     paths = {"output_file": f"{out_dir}/output.jsonl", "error_file": f"{out_dir}/errors.jsonl",
-             "batch_file": f"{out_dir}/batch.json", "outputs_table": outputs_table, "errors_table": errors_table}
+             "batch_file": f"{out_dir}/batch.json", "report_file": f"{out_dir}/report.html",
+             "outputs_table": outputs_table, "errors_table": errors_table, "metrics_table": cfg.metrics_table()}
+    wall_start = time.time()
     created_at = _previous_created_at(spark, paths["batch_file"]) if cfg.resume else None
     created_at = created_at or int(time.time())
     _prepare_destination(spark, cfg, batch_id, out_dir, outputs_table, errors_table)
     log.info("batch %s: settings %s", batch_id, json.dumps(cfg.redacted(), default=str))
 
     sc = spark.sparkContext
+    metrics = sc.accumulator([], ListParam())
     sc.setJobGroup(batch_id, f"spark_llm {batch_id}", interruptOnCancel=True)
     sc.setJobDescription("spark_llm: read, validate and count tokens")
     requests = _prepare(spark, cfg, batch_id).persist(StorageLevel.MEMORY_AND_DISK)
@@ -81,7 +87,7 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
         sc.setJobDescription("spark_llm: plan partitions")
         endpoints = [r["url"] for r in valid.select("url").distinct().limit(3).collect()]
         if endpoints:
-            plan = _infer_in_waves(spark, cfg, valid, batch_id, out_dir, outputs_table, errors_table)
+            plan = _infer_in_waves(spark, cfg, valid, batch_id, out_dir, outputs_table, errors_table, metrics)
         elif cfg.resume:
             log.info("batch %s: nothing left to run; no new rows written", batch_id)
     finally:
@@ -100,7 +106,13 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
                          status="completed", created_at=created_at, in_progress_at=in_progress_at,
                          finalizing_at=finished, completed_at=finished, failed_at=None, c=c,
                          errors_data=errors_data, errors_total=errors_total, paths=paths, plan=plan)
+    records = latest_records(metrics.value)
+    if records:
+        write.append_rows(spark, [{**r, "batch_id": batch_id} for r in records], paths["metrics_table"],
+                          METRICS_COLUMNS)
     write.write_text_atomic(spark, paths["batch_file"], to_json(batch))
+    write.write_text_atomic(spark, paths["report_file"], report_html.render(
+        batch, plan, records, prompt_histogram(outputs), errors_by_code(errors), time.time() - wall_start))
     sc.setJobDescription(None)
     result = BatchResult(batch_id=batch_id, status="completed", total=c["completed"] + c["failed"],
                          completed=c["completed"], failed=c["failed"], input_tokens=c["input_tokens"],
@@ -226,44 +238,57 @@ def _error_rows(df: DataFrame, batch_id: str, max_raw: int) -> DataFrame:
 
 
 def _infer_in_waves(spark: SparkSession, cfg: BatchConfig, valid: DataFrame, batch_id: str, out_dir: str,
-                    outputs_table: str, errors_table: str) -> dict:
+                    outputs_table: str, errors_table: str, metrics: Any) -> dict:
     """Plan token-balanced partitions, then infer them a wave at a time, one Delta commit per table per wave."""
     slots = task_slots(spark, cfg.num_task_slots)
     assigned, plan = plan_partitions(valid, target_tokens=cfg.target_tokens_per_partition, slots=slots)
     wave = cfg.wave_partitions or 2 * slots
-    ictx = InferContext(engine=EngineSpec.from_config(cfg), served_model_name=cfg.served_model_name or "",
-                        batch_id=batch_id)
+    base_ctx = InferContext(engine=EngineSpec.from_config(cfg), served_model_name=cfg.served_model_name or "",
+                            batch_id=batch_id, metrics=metrics)
     staging = f"{out_dir}/_staging/results"
     waves = range(0, plan.num_partitions, wave)
-    for number, first in enumerate(waves, start=1):
-        count = min(wave, plan.num_partitions - first)
-        spark.sparkContext.setJobDescription(f"spark_llm: infer wave {number}/{len(waves)}")
-        keep = materialize(assigned, first, count).select(
-            "id", "request_id", "custom_id", "file", "line_number", "url", "kind", "request", "sampling_json",
-            "prompt_token_ids", "prompt_tokens", "notes")
-        results = keep.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA)
-        try:
-            results.write.mode("overwrite").parquet(staging)
-        except Exception as exc:
-            raise _engine_failure(exc) from None
-        staged = spark.read.parquet(staging)
-        planned, got = sum(plan.requests_per_partition[first:first + count]), staged.count()
-        if got != planned:  # the conservation check: one result per planned request
-            raise RuntimeError(f"wave {number}: {got} results for {planned} planned requests; nothing of this wave "
-                               f"was committed, rerun with --resume")
-        spark.sparkContext.setJobDescription(f"spark_llm: commit wave {number}/{len(waves)}")
-        ok = staged.where(F.col("error_code").isNull()).select(
-            F.lit(batch_id).alias("batch_id"), "id", "custom_id", "request_id", "file", "line_number",
-            F.col("url").alias("endpoint"), "model", "text", "finish_reason", "prompt_tokens", "completion_tokens",
-            "total_tokens", "notes", F.timestamp_seconds("created").alias("created_at"), "response_body", "request")
-        write.insert_outputs(ok, outputs_table, batch_id)
-        failed = staged.where(F.col("error_code").isNotNull()).withColumn("raw_line", F.lit(None).cast("string"))
-        write.insert_errors(_error_rows(failed, batch_id, cfg.max_raw_line_chars), errors_table, batch_id)
-        log.info("batch %s: wave %d/%d committed (%d partitions)", batch_id, number, len(waves), count)
-        _maybe_exit_after_wave(number)
+    state = {"wave": f"0/{len(waves)}"}
+    total = sum(plan.requests_per_partition)
+    started = time.time()
+    line = lambda: progress_line(batch_id, metrics.value, total, started, state["wave"])  # noqa: E731
+    with ProgressReporter(line, cfg.progress_interval_seconds):
+        for number, first in enumerate(waves, start=1):
+            state["wave"] = f"{number}/{len(waves)}"
+            _run_wave(spark, cfg, assigned, plan, first, min(wave, plan.num_partitions - first), number, len(waves),
+                      replace(base_ctx, wave=number), batch_id, staging, outputs_table, errors_table)
     write.delete(spark, f"{out_dir}/_staging")
     plan.release()
     return plan.as_dict()
+
+
+def _run_wave(spark: SparkSession, cfg: BatchConfig, assigned: DataFrame, plan, first: int, count: int,
+              number: int, n_waves: int, ictx: InferContext, batch_id: str, staging: str, outputs_table: str,
+              errors_table: str) -> None:
+    """Infer planned partitions first..first+count-1, stage the results once, commit them to both tables."""
+    spark.sparkContext.setJobDescription(f"spark_llm: infer wave {number}/{n_waves}")
+    keep = materialize(assigned, first, count).select(
+        "id", "request_id", "custom_id", "file", "line_number", "url", "kind", "request", "sampling_json",
+        "prompt_token_ids", "prompt_tokens", "notes", PART_COL)
+    results = keep.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA)
+    try:
+        results.write.mode("overwrite").parquet(staging)
+    except Exception as exc:
+        raise _engine_failure(exc) from None
+    staged = spark.read.parquet(staging)
+    planned, got = sum(plan.requests_per_partition[first:first + count]), staged.count()
+    if got != planned:  # the conservation check: one result per planned request
+        raise RuntimeError(f"wave {number}: {got} results for {planned} planned requests; nothing of this wave "
+                           f"was committed, rerun with --resume")
+    spark.sparkContext.setJobDescription(f"spark_llm: commit wave {number}/{n_waves}")
+    ok = staged.where(F.col("error_code").isNull()).select(
+        F.lit(batch_id).alias("batch_id"), "id", "custom_id", "request_id", "file", "line_number",
+        F.col("url").alias("endpoint"), "model", "text", "finish_reason", "prompt_tokens", "completion_tokens",
+        "total_tokens", "notes", F.timestamp_seconds("created").alias("created_at"), "response_body", "request")
+    write.insert_outputs(ok, outputs_table, batch_id)
+    failed = staged.where(F.col("error_code").isNotNull()).withColumn("raw_line", F.lit(None).cast("string"))
+    write.insert_errors(_error_rows(failed, batch_id, cfg.max_raw_line_chars), errors_table, batch_id)
+    log.info("batch %s: wave %d/%d committed (%d partitions)", batch_id, number, n_waves, count)
+    _maybe_exit_after_wave(number)
 
 
 def _maybe_exit_after_wave(number: int) -> None:

@@ -54,6 +54,21 @@ def counts(outputs: DataFrame, errors: DataFrame) -> dict[str, int]:
             "output_tokens": int(o["ct"] or 0)}
 
 
+def prompt_histogram(outputs: DataFrame, buckets: int = 30) -> list[tuple[int, int]]:
+    """(bucket start, requests) over prompt_tokens, computed by Spark (at most ``buckets`` rows)."""
+    top = outputs.agg(F.max("prompt_tokens")).first()[0]
+    if not top:
+        return []
+    width = max(1, -(-int(top) // buckets))
+    rows = (outputs.groupBy((F.floor(F.col("prompt_tokens") / width) * width).alias("b"))
+            .count().orderBy("b").collect())
+    return [(int(r["b"]), int(r["count"])) for r in rows]
+
+
+def errors_by_code(errors: DataFrame) -> dict[str, int]:
+    return {r["code"]: int(r["count"]) for r in errors.groupBy("code").count().collect()}
+
+
 def unattributed_errors(errors: DataFrame, limit: int = MAX_LISTED_ERRORS) -> tuple[list[dict], int]:
     """errors.data entries for lines without a usable custom_id (bounded), and how many there are in all."""
     rows = errors.where(F.col("custom_id").isNull())
@@ -95,6 +110,7 @@ def batch_object(*, batch_id: str, endpoint: Optional[str], model: str, input_pa
                   "output_tokens": c["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": c["input_tokens"] + c["output_tokens"]},
         "metadata": {"outputs_table": paths["outputs_table"], "errors_table": paths["errors_table"],
+                     "metrics_table": paths["metrics_table"], "report_file": paths["report_file"],
                      "partition_plan": plan},
     }
 

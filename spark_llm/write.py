@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from .config import ConfigError
 from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS
@@ -161,6 +162,25 @@ def insert_new(df: DataFrame, table: str, columns: dict, batch_id: str) -> None:
      .merge(source, f"t.batch_id = '{quoted}' AND t.id = s.id")
      .whenNotMatchedInsertAll()
      .execute())
+
+
+def append_rows(spark: SparkSession, rows: list[dict], table: str, columns: dict) -> None:
+    """Append a few small records (e.g. one per partition) to a Delta table, created on first use."""
+    from datetime import datetime, timezone
+
+    def cell(name: str, dtype: Any, value: Any) -> Any:
+        if dtype.typeName() == "timestamp" and isinstance(value, (int, float)):
+            return datetime.fromtimestamp(value, timezone.utc)
+        return value
+
+    schema = T.StructType([T.StructField(n, t, True) for n, (t, _) in columns.items()])
+    data = [tuple(cell(n, t, r.get(n)) for n, (t, _) in columns.items()) for r in rows]
+    df = _conform(spark.createDataFrame(data, schema), columns)
+    writer = df.write.format("delta").mode("append").partitionBy("batch_id")
+    if _is_name(table):
+        writer.saveAsTable(table)
+    else:
+        writer.save(table)
 
 
 def delete_rows(spark: SparkSession, table: str, condition: Column) -> None:

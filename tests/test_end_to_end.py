@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from pyspark.sql import functions as F
 
 from conftest import MODEL_NAME, chat_line, completion_line, engine_settings, write_jsonl
 from spark_llm import BatchConfig, ConfigError, run_batch
+from spark_llm.report_html import PLOTS
 from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
 
 pytestmark = pytest.mark.engine
@@ -73,8 +75,23 @@ def run(spark, tiny_model, tmp_path_factory):
     expected = build_input(root / "input")
     cfg = BatchConfig(input=str(root / "input"), output_dir=str(root / "out"), batch_id="b-e2e",
                       **engine_settings(tiny_model))
-    result = run_batch(spark, cfg)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("spark_llm")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        result = run_batch(spark, cfg)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    LOGS.extend(r.getMessage() for r in records)
     return result, expected, root
+
+
+LOGS: list[str] = []
 
 
 def outputs_df(spark, result):
@@ -230,3 +247,34 @@ def test_greedy_rerun_gives_identical_outputs(spark, run, tiny_model):
                 for r in rows if json.loads(r["request"])["body"].get("temperature") == 0}
     first, second = greedy(result), greedy(again)
     assert len(first) >= 8 and first == second
+
+
+def test_metrics_table_agrees_with_the_outputs(spark, run):
+    result, _, _ = run
+    metrics = spark.read.format("delta").load(result.batch["metadata"]["metrics_table"]) \
+        .where(F.col("batch_id") == "b-e2e").collect()
+    outs = outputs_df(spark, result).agg(F.sum("prompt_tokens"), F.sum("completion_tokens")).first()
+    plan = result.batch["metadata"]["partition_plan"]
+    assert sorted(m["partition"] for m in metrics) == list(range(plan["num_partitions"]))
+    assert sum(m["rows"] for m in metrics) == sum(plan["requests_per_partition"])
+    assert sum(m["prompt_tokens"] for m in metrics) == outs[0] == result.batch["usage"]["input_tokens"]
+    assert sum(m["completion_tokens"] for m in metrics) == outs[1] == result.batch["usage"]["output_tokens"]
+    assert sum(json.loads(m["errors_by_code"]).get("engine_error", 0) for m in metrics) == 1
+    assert all(m["engine_seconds"] > 0 and m["finished_at"] >= m["started_at"] for m in metrics)
+
+
+def test_report_html_has_the_summary_and_plots(run):
+    result, _, _ = run
+    page = Path(result.batch["metadata"]["report_file"]).read_text(encoding="utf-8")
+    assert page.startswith("<!doctype html>") and "Batch b-e2e" in page
+    for name in PLOTS:
+        assert f'alt="{name}" src="data:image/png;base64,' in page
+    assert "<td>engine_error</td><td>1</td>" in page and "<td>invalid_json</td><td>3</td>" in page
+
+
+def test_progress_line_in_driver_log(run):
+    result, _, _ = run
+    progress = [m for m in LOGS if m.startswith("progress b-e2e: wave ")]
+    assert progress, LOGS
+    assert f"requests {result.completed + 1}/{result.completed + 1} (100.0%)" in progress[-1]
+    assert "tok/s" in progress[-1] and "eta" in progress[-1]

@@ -1,0 +1,103 @@
+"""Per-partition inference metrics and the driver's progress line.
+
+Each inference task adds one small record (rows, tokens, engine load and run time, errors by code) to a Spark
+accumulator; the driver reads the records (one per partition: metadata, never rows) for the progress line, the
+``metrics`` Delta table, ``batch.json`` and ``report.html``. A retried task may report twice; the last report of
+each (wave, partition) wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from pyspark.accumulators import AccumulatorParam
+from pyspark.sql import types as T
+
+log = logging.getLogger(__name__)
+
+S, L, D = T.StringType(), T.LongType(), T.DoubleType()
+
+METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
+    "batch_id": (S, "Batch run the partition belongs to"),
+    "wave": (L, "Wave (Delta commit) number, from 1"),
+    "partition": (L, "Planned partition index"),
+    "worker_pid": (L, "Python worker process that ran the partition"),
+    "rows": (L, "Requests in the partition"),
+    "prompt_tokens": (L, "Prompt tokens of the partition's successful requests"),
+    "completion_tokens": (L, "Generated tokens of the partition's successful requests"),
+    "engine_load_seconds": (D, "Seconds spent building the engine (0 when the worker had it cached)"),
+    "engine_seconds": (D, "Seconds inside the engine's generate call"),
+    "tokens_per_second": (D, "(prompt + generated tokens) / engine_seconds"),
+    "errors_by_code": (S, "JSON object: error code -> count in this partition"),
+    "started_at": (T.TimestampType(), "When the task started"),
+    "finished_at": (T.TimestampType(), "When the task finished"),
+}
+
+
+class ListParam(AccumulatorParam):
+    """Accumulates lists of small records."""
+
+    def zero(self, value: list) -> list:
+        return []
+
+    def addInPlace(self, value1: list, value2: list) -> list:
+        value1.extend(value2)
+        return value1
+
+
+def latest_records(records: list[dict]) -> list[dict]:
+    """One record per (wave, partition): the last one reported (a retried task reports again)."""
+    best: dict[tuple[int, int], dict] = {}
+    for rec in records:
+        key = (rec["wave"], rec["partition"])
+        if key not in best or rec["finished_at"] >= best[key]["finished_at"]:
+            best[key] = rec
+    return [best[k] for k in sorted(best)]
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def progress_line(batch_id: str, records: list[dict], total_requests: int, started: float, wave: str,
+                  now: Optional[float] = None) -> str:
+    """``progress <batch>: wave 2/6 | requests 120/500 (24.0%) | tokens in .., out .. | .. tok/s | elapsed | eta``."""
+    now = time.time() if now is None else now
+    recs = latest_records(records)
+    done = sum(r["rows"] for r in recs)
+    p_tok = sum(r["prompt_tokens"] for r in recs)
+    c_tok = sum(r["completion_tokens"] for r in recs)
+    elapsed = max(now - started, 1e-9)
+    pct = 100.0 * done / total_requests if total_requests else 100.0
+    eta = _fmt_duration(elapsed / done * (total_requests - done)) if done else "?"
+    return (f"progress {batch_id}: wave {wave} | requests {done}/{total_requests} ({pct:.1f}%) | tokens in {p_tok}, "
+            f"out {c_tok} | {(p_tok + c_tok) / elapsed:.0f} tok/s | elapsed {_fmt_duration(elapsed)} | eta {eta}")
+
+
+class ProgressReporter:
+    """Logs a progress line every ``interval`` seconds (and once at the end) from a daemon thread on the driver."""
+
+    def __init__(self, line: Callable[[], str], interval: float = 30.0):
+        self._line, self._interval = line, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spark_llm-progress", daemon=True)
+
+    def __enter__(self) -> "ProgressReporter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        log.info("%s", self._line())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                log.info("%s", self._line())
+            except Exception:  # never let reporting break the job
+                log.debug("progress line failed", exc_info=True)

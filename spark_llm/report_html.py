@@ -1,0 +1,114 @@
+"""A self-contained ``report.html`` for one run: summary table and plots (matplotlib, embedded as PNG).
+
+Inputs are small: the batch object, the partition plan, one metrics record per partition and a prompt-length
+histogram computed by Spark. No rows reach the driver.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+PLOTS = ("prompt-length histogram", "estimated tokens per partition", "throughput per partition",
+         "timeline of partitions")
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list[dict]) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+    fig, ax = plt.subplots(figsize=(7, 3))
+    if histogram:
+        edges, counts = zip(*histogram)
+        width = (edges[1] - edges[0]) if len(edges) > 1 else 1
+        ax.bar(edges, counts, width=width, align="edge", color="#4c72b0")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("requests")
+    ax.set_title("Prompt length")
+    out[PLOTS[0]] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    tokens = (plan or {}).get("tokens_per_partition") or []
+    ax.bar(range(len(tokens)), tokens, color="#55a868")
+    if tokens:
+        ax.axhline(sum(tokens) / len(tokens), color="black", linestyle="--", linewidth=1, label="mean")
+        ax.legend()
+    ax.set_xlabel("partition")
+    ax.set_ylabel("estimated tokens")
+    ax.set_title(f"Balance (max/mean {(plan or {}).get('balance_ratio', 1.0)})")
+    out[PLOTS[1]] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.bar([m["partition"] for m in metrics], [m["tokens_per_second"] for m in metrics], color="#c44e52")
+    ax.set_xlabel("partition")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Engine throughput per partition")
+    out[PLOTS[2]] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    if metrics:
+        t0 = min(m["started_at"] for m in metrics)
+        workers = sorted({m["worker_pid"] for m in metrics})
+        for m in metrics:
+            y = workers.index(m["worker_pid"])
+            ax.barh(y, m["finished_at"] - m["started_at"], left=m["started_at"] - t0, color="#8172b2",
+                    edgecolor="white")
+            ax.text(m["started_at"] - t0, y, f" p{m['partition']}", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(len(workers)), [f"pid {w}" for w in workers])
+    ax.set_xlabel("seconds since the first partition started")
+    ax.set_title("Timeline of partitions")
+    out[PLOTS[3]] = _png(fig)
+    return out
+
+
+def render(batch: dict, plan: Optional[dict], metrics: list[dict], histogram: list[tuple[int, int]],
+           errors_by_code: dict[str, int], wall_seconds: float) -> str:
+    """The report as one HTML string."""
+    counts, usage = batch["request_counts"], batch["usage"]
+    engine_s = sum(m["engine_seconds"] for m in metrics)
+    rows = [
+        ("batch", batch["id"]), ("status", batch["status"]), ("model", batch.get("model")),
+        ("requests", counts["total"]), ("completed", counts["completed"]), ("failed", counts["failed"]),
+        ("input tokens", usage["input_tokens"]), ("output tokens", usage["output_tokens"]),
+        ("wall time", f"{wall_seconds:.1f} s"),
+        ("throughput (wall)", f"{usage['total_tokens'] / wall_seconds:.1f} tokens/s" if wall_seconds else "-"),
+        ("engine time (sum over partitions)", f"{engine_s:.1f} s"),
+        ("engine loads", sum(1 for m in metrics if m["engine_load_seconds"] > 0)),
+        ("partitions", (plan or {}).get("num_partitions", 0)),
+        ("balance max/mean", (plan or {}).get("balance_ratio", "-")),
+    ]
+    summary = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    errors = "".join(f"<tr><td>{html.escape(c)}</td><td>{n}</td></tr>"
+                     for c, n in sorted(errors_by_code.items(), key=lambda kv: -kv[1])) or \
+        "<tr><td colspan=2>no errors</td></tr>"
+    plots = "".join(f'<h2>{html.escape(name.capitalize())}</h2><img alt="{html.escape(name)}" '
+                    f'src="data:image/png;base64,{data}">' for name, data in _plots(histogram, plan, metrics).items())
+    created = datetime.fromtimestamp(batch["created_at"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>spark_llm report {html.escape(batch['id'])}</title>
+<style>body{{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}}
+table{{border-collapse:collapse;margin-bottom:1em}}th,td{{border:1px solid #ccc;padding:4px 10px;text-align:left}}
+th{{background:#f4f4f4}}img{{max-width:100%}}</style></head><body>
+<h1>Batch {html.escape(batch['id'])}</h1><p>Started {created}.</p>
+<h2>Summary</h2><table>{summary}</table>
+<h2>Errors by code</h2><table><tr><th>code</th><th>count</th></tr>{errors}</table>
+{plots}
+<script type="application/json" id="batch">{html.escape(json.dumps(batch))}</script>
+</body></html>
+"""
