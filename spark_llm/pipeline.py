@@ -64,6 +64,21 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     sc = spark.sparkContext
     metrics = sc.accumulator([], ListParam())
     sc.setJobGroup(batch_id, f"spark_llm {batch_id}", interruptOnCancel=True)
+    try:
+        plan, endpoints, skipped, in_progress_at = _run_requests(spark, cfg, batch_id, out_dir, outputs_table,
+                                                                  errors_table, metrics)
+    except BaseException:
+        _write_failed_batch(spark, cfg, batch_id, created_at, paths)
+        raise
+    return _finish(spark, cfg, batch_id, paths, metrics, plan, endpoints, skipped, created_at, in_progress_at,
+                   wall_start)
+
+
+def _run_requests(spark: SparkSession, cfg: BatchConfig, batch_id: str, out_dir: str, outputs_table: str,
+                  errors_table: str, metrics: Any) -> tuple[Optional[dict], list[str], int, int]:
+    """Read, validate, count, plan and infer: everything that writes rows. Returns the plan, the endpoints seen,
+    the requests skipped as already answered (resume) and when inference started."""
+    sc = spark.sparkContext
     sc.setJobDescription("spark_llm: read, validate and count tokens")
     requests = _prepare(spark, cfg, batch_id).persist(StorageLevel.MEMORY_AND_DISK)
     plan, endpoints, skipped = None, [], 0
@@ -92,10 +107,17 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
             log.info("batch %s: nothing left to run; no new rows written", batch_id)
     finally:
         requests.unpersist()
+    return plan, endpoints, skipped, in_progress_at
 
+
+def _finish(spark: SparkSession, cfg: BatchConfig, batch_id: str, paths: dict, metrics: Any, plan: Optional[dict],
+            endpoints: list[str], skipped: int, created_at: int, in_progress_at: int,
+            wall_start: float) -> BatchResult:
+    """Rebuild the OpenAI files from the tables, then write the metrics, batch.json and report.html."""
+    sc = spark.sparkContext
     sc.setJobDescription("spark_llm: write OpenAI files and batch.json")
-    outputs = _batch_rows(spark, outputs_table, batch_id)
-    errors = _batch_rows(spark, errors_table, batch_id)
+    outputs = _batch_rows(spark, paths["outputs_table"], batch_id)
+    errors = _batch_rows(spark, paths["errors_table"], batch_id)
     write.write_jsonl(spark, write.output_lines(outputs), paths["output_file"])
     write.write_jsonl(spark, write.error_lines(errors), paths["error_file"])
     c = counts(outputs, errors)
@@ -116,11 +138,28 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     sc.setJobDescription(None)
     result = BatchResult(batch_id=batch_id, status="completed", total=c["completed"] + c["failed"],
                          completed=c["completed"], failed=c["failed"], input_tokens=c["input_tokens"],
-                         output_tokens=c["output_tokens"], output_dir=out_dir, outputs_table=outputs_table,
-                         errors_table=errors_table, output_file=paths["output_file"], error_file=paths["error_file"],
+                         output_tokens=c["output_tokens"], output_dir=paths["output_file"].rsplit("/", 1)[0],
+                         outputs_table=paths["outputs_table"], errors_table=paths["errors_table"],
+                         output_file=paths["output_file"], error_file=paths["error_file"],
                          batch_file=paths["batch_file"], skipped=skipped, batch=batch)
     log.info("%s", result.summary())
     return result
+
+
+def _write_failed_batch(spark: SparkSession, cfg: BatchConfig, batch_id: str, created_at: int,
+                        paths: dict) -> None:
+    """Best effort: leave a batch.json with status "failed" so a reader sees the run stopped (rerun with
+    --resume to continue)."""
+    try:
+        now = int(time.time())
+        batch = batch_object(batch_id=batch_id, endpoint=None, model=cfg.served_model_name or "",
+                             input_path=cfg.input or cfg.input_table or "", status="failed", created_at=created_at,
+                             in_progress_at=None, finalizing_at=None, completed_at=None, failed_at=now,
+                             c={"completed": 0, "failed": 0, "input_tokens": 0, "output_tokens": 0},
+                             errors_data=[], errors_total=0, paths=paths, plan=None)
+        write.write_text_atomic(spark, paths["batch_file"], to_json(batch))
+    except Exception:  # never hide the original error
+        log.debug("could not write the failed batch.json", exc_info=True)
 
 
 def _prepare_destination(spark: SparkSession, cfg: BatchConfig, batch_id: str, out_dir: str, outputs_table: str,

@@ -14,6 +14,7 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from .config import ConfigError
+from .schemas import json_string
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +69,15 @@ def is_delta_path(spark: SparkSession, path: str) -> bool:
     return bool(fs.exists(hpath))
 
 
-def _json_str(col) -> "F.Column":
-    """A JSON string literal for a string column (``null`` when null), built in Spark."""
-    as_array = F.to_json(F.array(col))
-    return F.coalesce(as_array.substr(F.lit(2), F.length(as_array) - 2), F.lit("null"))
-
-
 def _json_value(df: DataFrame, name: str) -> "F.Column":
     """A column as raw JSON text: strings are taken to already hold JSON, structs/arrays/maps are serialised."""
     dtype = df.schema[name].dataType.typeName()
     if dtype == "string":  # text that is not JSON is kept as a JSON string, so the row keeps its id in the error
         return F.when(F.get_json_object(F.col(name), "$").isNull() & F.col(name).isNotNull(),
-                      _json_str(F.col(name))).otherwise(F.col(name))
+                      json_string(F.col(name))).otherwise(F.col(name))
     if dtype in ("struct", "array", "map"):
         return F.to_json(F.col(name))
-    return F.to_json(F.array(F.col(name))).substr(F.lit(2), F.length(F.to_json(F.array(F.col(name)))) - 2)
+    return json_string(F.col(name))
 
 
 def _with_positions(df: DataFrame) -> DataFrame:
@@ -123,8 +118,8 @@ def table_lines(df: DataFrame, cfg, source: str) -> DataFrame:
     else:
         raise ConfigError(f"{source} has no {cfg.body_column!r} column (OpenAI shape); for plain columns set "
                           f"prompt_column or messages_column (--prompt-column / --messages-column)")
-    line = F.concat(F.lit('{"custom_id":'), _json_str(cid), F.lit(',"method":'), _json_str(method),
-                    F.lit(',"url":'), _json_str(url), F.lit(',"body":'), F.coalesce(body, F.lit("null")), F.lit("}"))
+    line = F.concat(F.lit('{"custom_id":'), json_string(cid), F.lit(',"method":'), json_string(method),
+                    F.lit(',"url":'), json_string(url), F.lit(',"body":'), F.coalesce(body, F.lit("null")), F.lit("}"))
     positioned = _with_positions(df.select(line.alias("_line")))
     return positioned.select(F.encode("_line", "UTF-8").alias("value"), F.lit(source).alias("file"),
                              F.col("line_number").cast("long"))

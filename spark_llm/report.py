@@ -81,7 +81,8 @@ def unattributed_errors(errors: DataFrame, limit: int = MAX_LISTED_ERRORS) -> tu
 
 
 def batch_object(*, batch_id: str, endpoint: Optional[str], model: str, input_path: str, status: str,
-                 created_at: int, in_progress_at: int, finalizing_at: int, completed_at: Optional[int],
+                 created_at: int, in_progress_at: Optional[int], finalizing_at: Optional[int],
+                 completed_at: Optional[int],
                  failed_at: Optional[int], c: dict[str, int], errors_data: list[dict], errors_total: int,
                  paths: dict[str, str], plan: Optional[dict]) -> dict[str, Any]:
     total = c["completed"] + c["failed"]

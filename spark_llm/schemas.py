@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
+from pyspark.sql import Column
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 S, L, I = T.StringType(), T.LongType(), T.IntegerType()
@@ -68,6 +70,13 @@ ERRORS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "raw_line": (S, "The input line, cut to max_raw_line_chars characters"),
     "created_at": (T.TimestampType(), "When the error was recorded"),
 }
+
+
+def json_string(col: Column) -> Column:
+    """A string column as a JSON string literal (``null`` when null), built in Spark: ``to_json`` of a one-element
+    array, without the brackets."""
+    as_array = F.to_json(F.array(col))
+    return F.coalesce(as_array.substr(F.lit(2), F.length(as_array) - 2), F.lit("null"))
 
 
 def table_schema(columns: dict[str, tuple[T.DataType, str]]) -> T.StructType:

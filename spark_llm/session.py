@@ -29,14 +29,19 @@ DELTA_CONF = {
 
 def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] = None,
                 app_name: str = "spark_llm") -> SparkSession:
-    """The active session if there is one (spark-submit, Databricks, notebooks), else a new one with Delta.
-
-    A new session is local (``master`` default ``local[2]``) and pulls Delta's jars from Maven Central through
-    ``spark.jars.packages``; its Python workers run this interpreter.
+    """The active session if there is one (Databricks, notebooks); under spark-submit the session its command line
+    describes (plus Delta's SQL extension); else a new local one (``master`` default ``local[2]``) that pulls
+    Delta's jars from Maven Central through ``spark.jars.packages`` and runs its Python workers on this interpreter.
     """
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
+    if "PYSPARK_GATEWAY_PORT" in os.environ:
+        # launched by spark-submit: master, jars and resources come from its command line / properties file
+        builder = SparkSession.builder.appName(app_name)
+        for key, value in {**DELTA_CONF, **dict(conf or {})}.items():
+            builder = builder.config(key, value)
+        return builder.getOrCreate()
     from delta import configure_spark_with_delta_pip
 
     # PySpark reads the workers' interpreter from the environment when it starts the context.

@@ -15,7 +15,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from .config import ConfigError
-from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS
+from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, json_string
 
 log = logging.getLogger(__name__)
 
@@ -198,17 +198,11 @@ def insert_errors(df: DataFrame, table: str, batch_id: str) -> None:
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------
 
-def _json_str(col: Column) -> Column:
-    """A JSON string literal for a string column (``null`` when null)."""
-    return F.coalesce(F.to_json(F.array(col)).substr(F.lit(2), F.length(F.to_json(F.array(col))) - 2),
-                      F.lit("null"))
-
-
 def output_lines(outputs: DataFrame) -> DataFrame:
     """output.jsonl lines: ``{"id","custom_id","response":{"status_code":200,"request_id","body"},"error":null}``."""
     line = F.concat(
-        F.lit('{"id":'), _json_str(F.col("id")), F.lit(',"custom_id":'), _json_str(F.col("custom_id")),
-        F.lit(',"response":{"status_code":200,"request_id":'), _json_str(F.col("request_id")),
+        F.lit('{"id":'), json_string(F.col("id")), F.lit(',"custom_id":'), json_string(F.col("custom_id")),
+        F.lit(',"response":{"status_code":200,"request_id":'), json_string(F.col("request_id")),
         F.lit(',"body":'), F.col("response_body"), F.lit('},"error":null}'))
     return outputs.orderBy("file", "line_number").select(line.alias("value"))
 
@@ -216,9 +210,9 @@ def output_lines(outputs: DataFrame) -> DataFrame:
 def error_lines(errors: DataFrame) -> DataFrame:
     """errors.jsonl lines: ``{"id","custom_id","response":null,"error":{"code","message"}}``."""
     line = F.concat(
-        F.lit('{"id":'), _json_str(F.col("id")), F.lit(',"custom_id":'), _json_str(F.col("custom_id")),
-        F.lit(',"response":null,"error":{"code":'), _json_str(F.col("code")),
-        F.lit(',"message":'), _json_str(F.col("message")), F.lit("}}"))
+        F.lit('{"id":'), json_string(F.col("id")), F.lit(',"custom_id":'), json_string(F.col("custom_id")),
+        F.lit(',"response":null,"error":{"code":'), json_string(F.col("code")),
+        F.lit(',"message":'), json_string(F.col("message")), F.lit("}}"))
     return errors.orderBy("file", "line_number").select(line.alias("value"))
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -83,3 +85,20 @@ def engine_settings(model: str) -> dict:
                 target_tokens_per_partition=20_000, num_task_slots=2,
                 # a vLLM limit below what validation allows, so a request can make the real engine fail
                 engine_kwargs={"max_logprobs": 3})
+
+
+@contextlib.contextmanager
+def capture_logs(name: str = "spark_llm"):
+    """Collect the INFO+ messages of a logger (as strings) while the block runs."""
+    messages: list[str] = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(name)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
 from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
-from conftest import MODEL_NAME, chat_line, completion_line, engine_settings, write_jsonl
+from conftest import MODEL_NAME, capture_logs, chat_line, completion_line, engine_settings, write_jsonl
 from spark_llm import BatchConfig, ConfigError, run_batch
 from spark_llm.report_html import PLOTS
 from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
@@ -75,19 +74,9 @@ def run(spark, tiny_model, tmp_path_factory):
     expected = build_input(root / "input")
     cfg = BatchConfig(input=str(root / "input"), output_dir=str(root / "out"), batch_id="b-e2e",
                       **engine_settings(tiny_model))
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(level=logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("spark_llm")
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    try:
+    with capture_logs() as messages:
         result = run_batch(spark, cfg)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-    LOGS.extend(r.getMessage() for r in records)
+    LOGS.extend(messages)
     return result, expected, root
 
 

@@ -4,7 +4,6 @@ limits, and logs free of prompt text."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import unicodedata
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import functions as F
 
-from conftest import MODEL_NAME, chat_line, completion_line, engine_settings, write_jsonl
+from conftest import MODEL_NAME, capture_logs, chat_line, completion_line, engine_settings, write_jsonl
 from spark_llm import BatchConfig, ConfigError, EngineStartError, run_batch
 from spark_llm.infer import FAULT_ENV
 
@@ -109,19 +108,9 @@ def hostile(spark, tiny_model, tmp_path_factory):
     (root / "in" / "hostile.jsonl").write_bytes(data + b"\n" + last)  # last line without newline
     expected = {i + 1: e for i, (_, e) in enumerate(cases) if e is not None}
     expected[len(cases) + 1] = OK
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(level=logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("spark_llm")
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    try:
+    with capture_logs() as records:
         result = run_batch(spark, BatchConfig(input=str(root / "in"), output_dir=str(root / "out"),
                                               batch_id="hostile", **engine_settings(tiny_model)))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
     return result, expected, records
 
 
@@ -149,7 +138,7 @@ def test_hostile_input_every_line_answered_once_with_the_right_code(spark, hosti
 
 def test_info_logs_hold_no_prompt_or_response_text(spark, hostile):
     result, _, records = hostile
-    text = "\n".join(r.getMessage() for r in records)
+    text = "\n".join(records)
     assert "settings" in text and "completed" in text  # the run did log at INFO
     assert SECRET_PROMPT not in text
     first = spark.read.format("delta").load(result.outputs_table).where(F.col("custom_id") == "bom-start").first()
@@ -204,3 +193,5 @@ def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tm
     message = str(info.value)
     assert "could not start the engine" in message and str(broken) in message
     assert "gpu_memory_utilization" in message and "Traceback" not in message
+    batch = json.loads((tmp_path / "out" / "batch.json").read_text())
+    assert batch["status"] == "failed" and batch["failed_at"] and batch["completed_at"] is None
