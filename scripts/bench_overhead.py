@@ -121,7 +121,11 @@ def main(argv=None) -> int:
     from spark_llm import BatchConfig, run_batch
     from spark_llm.session import get_session
 
-    spark = get_session(master=args.master, conf={"spark.ui.enabled": "false"})
+    # PySpark sets OMP_NUM_THREADS=spark.task.cpus (1) in its Python workers; give the job's engines the same cores
+    # the raw engine had, or the comparison measures thread counts instead of the framework.
+    threads = max(1, (os.cpu_count() or 1) // args.slots)
+    spark = get_session(master=args.master, conf={"spark.ui.enabled": "false",
+                                                  "spark.executorEnv.OMP_NUM_THREADS": str(threads)})
     cfg = BatchConfig(input=str(input_path), output_dir=str(work / "out"), model=model, dtype=args.dtype,
                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                       enforce_eager=args.enforce_eager, kv_cache_memory_bytes=args.kv_cache_memory_bytes,

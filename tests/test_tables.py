@@ -85,6 +85,24 @@ def test_plain_columns_with_system_prompt_and_derived_ids(spark, tiny_model, tmp
     assert second["completion_tokens"] == 8
 
 
+def test_catalog_table_plain_messages_column(spark, tiny_model, tmp_path):
+    spark.sql("CREATE DATABASE IF NOT EXISTS llm")
+    spark.createDataFrame(
+        [("doc-1", [("system", "Be brief."), ("user", "Summarize: Spark is fast.")], 2),
+         ("doc-2", [("user", "")], 2)],
+        "doc_id string, convo array<struct<role: string, content: string>>, budget int",
+    ).write.format("delta").saveAsTable("llm.plain_requests")
+    result = run_batch(spark, BatchConfig(input_table="llm.plain_requests", id_column="doc_id",
+                                          messages_column="convo", max_tokens_column="budget",
+                                          output_dir=str(tmp_path / "out"), batch_id="tbl-d",
+                                          **engine_settings(tiny_model)))
+    outs, errs = by_id(spark, result)
+    assert list(outs) == ["doc-1"] and outs["doc-1"]["completion_tokens"] == 2
+    assert json.loads(outs["doc-1"]["request"])["body"]["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert [(cid, e["code"], e["file"]) for (cid, _), e in errs.items()] == [
+        ("doc-2", "invalid_request", "llm.plain_requests")]
+
+
 def test_plain_columns_need_a_prompt_or_body(spark, tiny_model, tmp_path):
     table = str(tmp_path / "nothing")
     spark.createDataFrame([("a",)], "text string").write.format("delta").save(table)
