@@ -157,11 +157,11 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     n = len(pdf)
     from vllm import SamplingParams
 
-    rows: list[dict] = [{}] * n
+    rows: list[dict] = []
     prompts, params, index = [], [], []
     for i in range(n):
         base = _base_row(pdf, i, ctx)
-        rows[i] = base
+        rows.append(base)
         try:
             sp = SamplingParams(**json.loads(pdf["sampling_json"].iat[i]))
         except Exception as exc:

@@ -107,7 +107,9 @@ def count_batches(batches: Iterator, ctx: TokenContext) -> Iterator:
         pdf = pdf.copy()
         for i in range(len(pdf)):
             if pdf["error_code"].iat[i] is not None:
-                ids_col.append(None), n_col.append(None), notes_col.append(None)
+                ids_col.append(None)
+                n_col.append(None)
+                notes_col.append(None)
                 continue
             if tokenizer is None:
                 tokenizer = get_tokenizer(ctx.tokenizer_path)
@@ -122,11 +124,14 @@ def count_batches(batches: Iterator, ctx: TokenContext) -> Iterator:
             if res["error_code"] is not None:
                 pdf.iat[i, pdf.columns.get_loc("error_code")] = res["error_code"]
                 pdf.iat[i, pdf.columns.get_loc("error_message")] = res["error_message"]
-                ids_col.append(None), n_col.append(res["prompt_tokens"]), notes_col.append(None)
+                ids_col.append(None)
+                n_col.append(res["prompt_tokens"])
+                notes_col.append(None)
                 continue
             pdf.iat[i, pdf.columns.get_loc("sampling_json")] = res["sampling_json"]
             pdf.iat[i, pdf.columns.get_loc("max_tokens")] = res["max_tokens"]
-            ids_col.append(res["prompt_token_ids"]), n_col.append(res["prompt_tokens"])
+            ids_col.append(res["prompt_token_ids"])
+            n_col.append(res["prompt_tokens"])
             notes_col.append(res["notes"])
         pdf["prompt_token_ids"] = ids_col
         pdf["prompt_tokens"] = n_col

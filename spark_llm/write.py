@@ -135,6 +135,14 @@ def _delta(spark: SparkSession, table: str) -> Any:
     return DeltaTable.forName(spark, table) if _is_name(table) else DeltaTable.forPath(spark, table)
 
 
+def _save(writer: Any, table: str) -> None:
+    """Write to a catalog table by name or to a Delta path."""
+    if _is_name(table):
+        writer.saveAsTable(table)
+    else:
+        writer.save(table)
+
+
 def _conform(df: DataFrame, columns: dict) -> DataFrame:
     """Select the table's columns in order, cast, with their comments as column metadata."""
     return df.select([F.col(name).cast(dtype).alias(name, metadata={"comment": comment})
@@ -145,11 +153,7 @@ def ensure_table(spark: SparkSession, table: str, columns: dict, schema: Any) ->
     """Create the (empty) Delta table, partitioned by batch_id, with column comments, if it does not exist."""
     if table_exists(spark, table):
         return
-    writer = _conform(spark.createDataFrame([], schema), columns).write.format("delta").partitionBy("batch_id")
-    if _is_name(table):
-        writer.saveAsTable(table)
-    else:
-        writer.save(table)
+    _save(_conform(spark.createDataFrame([], schema), columns).write.format("delta").partitionBy("batch_id"), table)
 
 
 def insert_new(df: DataFrame, table: str, columns: dict, batch_id: str) -> None:
@@ -176,11 +180,7 @@ def append_rows(spark: SparkSession, rows: list[dict], table: str, columns: dict
     schema = T.StructType([T.StructField(n, t, True) for n, (t, _) in columns.items()])
     data = [tuple(cell(n, t, r.get(n)) for n, (t, _) in columns.items()) for r in rows]
     df = _conform(spark.createDataFrame(data, schema), columns)
-    writer = df.write.format("delta").mode("append").partitionBy("batch_id")
-    if _is_name(table):
-        writer.saveAsTable(table)
-    else:
-        writer.save(table)
+    _save(df.write.format("delta").mode("append").partitionBy("batch_id"), table)
 
 
 def delete_rows(spark: SparkSession, table: str, condition: Column) -> None:
