@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,15 +31,18 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 
 
-def make_requests(n: int, seed: int, model_name: str, max_tokens: int) -> list[dict]:
+def iter_requests(n: int, seed: int, model_name: str, max_tokens: int) -> Iterator[dict]:
+    """``n`` chat requests of 5-120 words, one at a time (large files are written without holding them)."""
     rng = random.Random(seed)
-    out = []
     for i in range(n):
         text = " ".join(rng.choices(WORDS, k=rng.randint(5, 120)))
-        out.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": model_name, "messages": [{"role": "user", "content": text}],
-                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
-    return out
+        yield {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"model": model_name, "messages": [{"role": "user", "content": text}],
+                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def make_requests(n: int, seed: int, model_name: str, max_tokens: int) -> list[dict]:
+    return list(iter_requests(n, seed, model_name, max_tokens))
 
 
 def build_dummy_8b(out: Path) -> Path:

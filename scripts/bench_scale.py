@@ -46,7 +46,7 @@ def main(argv=None) -> int:
                  "VLLM_HOST_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}.items():
         os.environ.setdefault(k, v)
 
-    from bench_overhead import make_requests
+    from bench_overhead import iter_requests
     from spark_llm import BatchConfig, run_batch
     from spark_llm.session import get_session
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     for n in sizes:
         path = work / f"in-{n}.jsonl"
         with open(path, "w", encoding="utf-8") as f:
-            for r in make_requests(n, n, Path(model).name, args.max_tokens):
+            for r in iter_requests(n, n, Path(model).name, args.max_tokens):
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
         cfg = BatchConfig(input=str(path), output_dir=str(work / f"out-{n}"), model=model, dtype="bfloat16",
                           max_num_seqs=args.max_num_seqs, max_model_len=2048, enforce_eager=True,
