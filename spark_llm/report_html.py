@@ -31,6 +31,7 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = {}
     fig, ax = plt.subplots(figsize=(7, 3))
@@ -50,6 +51,7 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
         ax.axhline(sum(tokens) / len(tokens), color="black", linestyle="--", linewidth=1, label="mean")
         ax.legend()
     ax.set_xlabel("partition")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("estimated tokens")
     ax.set_title(f"Balance (max/mean {(plan or {}).get('balance_ratio', 1.0)})")
     out[PLOTS[1]] = _png(fig)
@@ -57,6 +59,7 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.bar([m["partition"] for m in metrics], [m["tokens_per_second"] for m in metrics], color="#c44e52")
     ax.set_xlabel("partition")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("tokens / s")
     ax.set_title("Engine throughput per partition")
     out[PLOTS[2]] = _png(fig)
