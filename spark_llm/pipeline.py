@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 from . import report_html, write
 from .config import BatchConfig, ConfigError
 from .engine import EngineSpec, check_gpu_settings
-from .errors import EngineStartError, ErrorCode
+from .errors import EngineStartError, ErrorCode, describe_exception
 from .infer import FAULT_ENV, InferContext, infer_partition
 from .partition import PART_COL, estimate_cost, materialize, plan_partitions, task_slots
 from .read import read_input
@@ -65,23 +65,22 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     metrics = sc.accumulator([], ListParam())
     sc.setJobGroup(batch_id, f"spark_llm {batch_id}", interruptOnCancel=True)
     try:
-        plan, endpoints, skipped, in_progress_at = _run_requests(spark, cfg, batch_id, out_dir, outputs_table,
-                                                                  errors_table, metrics)
-    except BaseException:
-        _write_failed_batch(spark, cfg, batch_id, created_at, paths)
+        plan, skipped, in_progress_at = _run_requests(spark, cfg, batch_id, out_dir, outputs_table, errors_table,
+                                                       metrics)
+    except BaseException as exc:
+        _write_failed_batch(spark, cfg, batch_id, created_at, paths, exc)
         raise
-    return _finish(spark, cfg, batch_id, paths, metrics, plan, endpoints, skipped, created_at, in_progress_at,
-                   wall_start)
+    return _finish(spark, cfg, batch_id, paths, metrics, plan, skipped, created_at, in_progress_at, wall_start)
 
 
 def _run_requests(spark: SparkSession, cfg: BatchConfig, batch_id: str, out_dir: str, outputs_table: str,
-                  errors_table: str, metrics: Any) -> tuple[Optional[dict], list[str], int, int]:
-    """Read, validate, count, plan and infer: everything that writes rows. Returns the plan, the endpoints seen,
-    the requests skipped as already answered (resume) and when inference started."""
+                  errors_table: str, metrics: Any) -> tuple[Optional[dict], int, int]:
+    """Read, validate, count, plan and infer: everything that writes rows. Returns the plan, the requests skipped
+    as already answered (resume) and when inference started."""
     sc = spark.sparkContext
     sc.setJobDescription("spark_llm: read, validate and count tokens")
     requests = _prepare(spark, cfg, batch_id).persist(StorageLevel.MEMORY_AND_DISK)
-    plan, endpoints, skipped = None, [], 0
+    plan, skipped = None, 0
     try:
         if cfg.max_requests is not None:
             n = requests.count()
@@ -100,19 +99,17 @@ def _run_requests(spark: SparkSession, cfg: BatchConfig, batch_id: str, out_dir:
                                         cfg.max_raw_line_chars), errors_table, batch_id)
         valid = estimate_cost(pending.where(F.col("error_code").isNull()))
         sc.setJobDescription("spark_llm: plan partitions")
-        endpoints = [r["url"] for r in valid.select("url").distinct().limit(3).collect()]
-        if endpoints:
+        if not valid.limit(1).rdd.isEmpty():
             plan = _infer_in_waves(spark, cfg, valid, batch_id, out_dir, outputs_table, errors_table, metrics)
         elif cfg.resume:
             log.info("batch %s: nothing left to run; no new rows written", batch_id)
     finally:
         requests.unpersist()
-    return plan, endpoints, skipped, in_progress_at
+    return plan, skipped, in_progress_at
 
 
 def _finish(spark: SparkSession, cfg: BatchConfig, batch_id: str, paths: dict, metrics: Any, plan: Optional[dict],
-            endpoints: list[str], skipped: int, created_at: int, in_progress_at: int,
-            wall_start: float) -> BatchResult:
+            skipped: int, created_at: int, in_progress_at: int, wall_start: float) -> BatchResult:
     """Rebuild the OpenAI files from the tables, then write the metrics, batch.json and report.html."""
     sc = spark.sparkContext
     sc.setJobDescription("spark_llm: write OpenAI files and batch.json")
@@ -123,7 +120,9 @@ def _finish(spark: SparkSession, cfg: BatchConfig, batch_id: str, paths: dict, m
     c = counts(outputs, errors)
     errors_data, errors_total = unattributed_errors(errors)
     finished = int(time.time())
-    batch = batch_object(batch_id=batch_id, endpoint=endpoints[0] if len(endpoints) == 1 else None,
+    # OpenAI batches have one endpoint; ours may mix both (comma-joined), or have none when every line failed
+    endpoint = ",".join(sorted(r["endpoint"] for r in outputs.select("endpoint").distinct().limit(2).collect()))
+    batch = batch_object(batch_id=batch_id, endpoint=endpoint,
                          model=cfg.served_model_name or "", input_path=cfg.input or cfg.input_table or "",
                          status="completed", created_at=created_at, in_progress_at=in_progress_at,
                          finalizing_at=finished, completed_at=finished, failed_at=None, c=c,
@@ -146,17 +145,23 @@ def _finish(spark: SparkSession, cfg: BatchConfig, batch_id: str, paths: dict, m
     return result
 
 
+#: batch.json ``errors.data`` codes of a batch that stopped (row-level problems never stop a batch).
+BATCH_FAILURE_CODES = {EngineStartError: "engine_start_failed", ConfigError: "invalid_config"}
+
+
 def _write_failed_batch(spark: SparkSession, cfg: BatchConfig, batch_id: str, created_at: int,
-                        paths: dict) -> None:
-    """Best effort: leave a batch.json with status "failed" so a reader sees the run stopped (rerun with
-    --resume to continue)."""
+                        paths: dict, exc: BaseException) -> None:
+    """Best effort: leave a batch.json with status "failed" and the reason in ``errors.data``, so a reader sees
+    the run stopped and why (rerun with --resume to continue)."""
     try:
         now = int(time.time())
-        batch = batch_object(batch_id=batch_id, endpoint=None, model=cfg.served_model_name or "",
+        code = next((c for t, c in BATCH_FAILURE_CODES.items() if isinstance(exc, t)), "batch_failed")
+        reason = {"code": code, "message": describe_exception(exc), "param": None, "line": None}
+        batch = batch_object(batch_id=batch_id, endpoint="", model=cfg.served_model_name or "",
                              input_path=cfg.input or cfg.input_table or "", status="failed", created_at=created_at,
                              in_progress_at=None, finalizing_at=None, completed_at=None, failed_at=now,
                              c={"completed": 0, "failed": 0, "input_tokens": 0, "output_tokens": 0},
-                             errors_data=[], errors_total=0, paths=paths, plan=None)
+                             errors_data=[reason], errors_total=1, paths=paths, plan=None)
         write.write_text_atomic(spark, paths["batch_file"], to_json(batch))
     except Exception:  # never hide the original error
         log.debug("could not write the failed batch.json", exc_info=True)

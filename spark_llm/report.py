@@ -80,7 +80,7 @@ def unattributed_errors(errors: DataFrame, limit: int = MAX_LISTED_ERRORS) -> tu
     return data, total
 
 
-def batch_object(*, batch_id: str, endpoint: Optional[str], model: str, input_path: str, status: str,
+def batch_object(*, batch_id: str, endpoint: str, model: str, input_path: str, status: str,
                  created_at: int, in_progress_at: Optional[int], finalizing_at: Optional[int],
                  completed_at: Optional[int],
                  failed_at: Optional[int], c: dict[str, int], errors_data: list[dict], errors_total: int,
@@ -110,9 +110,10 @@ def batch_object(*, batch_id: str, endpoint: Optional[str], model: str, input_pa
         "usage": {"input_tokens": c["input_tokens"], "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": c["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": c["input_tokens"] + c["output_tokens"]},
+        # OpenAI's metadata is a map of strings: the table and report locations
         "metadata": {"outputs_table": paths["outputs_table"], "errors_table": paths["errors_table"],
-                     "metrics_table": paths["metrics_table"], "report_file": paths["report_file"],
-                     "partition_plan": plan},
+                     "metrics_table": paths["metrics_table"], "report_file": paths["report_file"]},
+        "partition_plan": plan,  # spark_llm's own field: how the requests were spread over partitions
     }
 
 

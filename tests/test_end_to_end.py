@@ -201,8 +201,13 @@ def test_responses_content_and_usage(spark, run, tiny_model):
 
 
 def test_batch_object(spark, run):
+    from openai.types import Batch
+
     result, _, _ = run
     batch = json.loads(Path(result.batch_file).read_text())
+    parsed = Batch.model_validate(batch)  # openai-python's own model of the batch object
+    assert parsed.request_counts.total == result.total and all(isinstance(v, str) for v in parsed.metadata.values())
+    assert parsed.endpoint == "/v1/chat/completions,/v1/completions"  # this batch mixes both
     outs = outputs_df(spark, result).agg(F.sum("prompt_tokens"), F.sum("completion_tokens")).first()
     assert batch["id"] == "b-e2e" and batch["object"] == "batch" and batch["status"] == "completed"
     assert batch["request_counts"] == {"total": result.total, "completed": result.completed, "failed": result.failed}
@@ -213,7 +218,7 @@ def test_batch_object(spark, run):
     assert listed == [("a.jsonl", 11, "invalid_json"), ("a.jsonl", 12, "invalid_json"),
                       ("a.jsonl", 13, "invalid_encoding"), ("a.jsonl", 14, "invalid_custom_id"),
                       ("b.jsonl", 3, "invalid_json")]
-    plan = batch["metadata"]["partition_plan"]
+    plan = batch["partition_plan"]
     # every request that reached the engine was planned: the completed ones and the one the engine rejected
     assert plan["num_partitions"] == 2 and sum(plan["requests_per_partition"]) == result.completed + 1
 
@@ -243,7 +248,7 @@ def test_metrics_table_agrees_with_the_outputs(spark, run):
     metrics = spark.read.format("delta").load(result.batch["metadata"]["metrics_table"]) \
         .where(F.col("batch_id") == "b-e2e").collect()
     outs = outputs_df(spark, result).agg(F.sum("prompt_tokens"), F.sum("completion_tokens")).first()
-    plan = result.batch["metadata"]["partition_plan"]
+    plan = result.batch["partition_plan"]
     assert sorted(m["partition"] for m in metrics) == list(range(plan["num_partitions"]))
     assert sum(m["rows"] for m in metrics) == sum(plan["requests_per_partition"])
     assert sum(m["prompt_tokens"] for m in metrics) == outs[0] == result.batch["usage"]["input_tokens"]

@@ -183,6 +183,8 @@ def test_worker_killed_mid_partition_is_retried_exactly_once(spark, tmp_path, ti
 
 @pytest.mark.engine
 def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tmp_path, tiny_model):
+    from openai.types import Batch
+
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model, broken)
     (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
@@ -195,3 +197,6 @@ def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tm
     assert "gpu_memory_utilization" in message and "Traceback" not in message
     batch = json.loads((tmp_path / "out" / "batch.json").read_text())
     assert batch["status"] == "failed" and batch["failed_at"] and batch["completed_at"] is None
+    [reason] = batch["errors"]["data"]
+    assert reason["code"] == "engine_start_failed" and "could not start the engine" in reason["message"]
+    Batch.model_validate(batch)
