@@ -82,9 +82,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     overrides.update({field: getattr(args, field) for field in _SWITCHES})
     try:
         config = BatchConfig.load(args.config, **overrides)
-        config.require("model", "output_dir")
-        if not (config.input or config.input_table):
-            raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
+        config.require_ready()
         spark_conf = spark_conf_from_yaml(args.config)
     except ConfigError as exc:
         print(f"spark-llm: error: {exc}", file=sys.stderr)

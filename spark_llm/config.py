@@ -226,6 +226,12 @@ class BatchConfig(BaseModel):
             raise ConfigError(f"missing required setting(s) {', '.join(missing)}: pass {flags} or set them in "
                               f"the YAML config / environment ({_env_hint(missing)})")
 
+    def require_ready(self) -> None:
+        """What every run needs: a model, an output directory and an input (JSONL/Delta path or a table)."""
+        self.require("model", "output_dir")
+        if not (self.input or self.input_table):
+            raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
+
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,

@@ -14,27 +14,8 @@ import time
 from typing import Any, Callable, Optional
 
 from pyspark.accumulators import AccumulatorParam
-from pyspark.sql import types as T
 
 log = logging.getLogger(__name__)
-
-S, L, D = T.StringType(), T.LongType(), T.DoubleType()
-
-METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
-    "batch_id": (S, "Batch run the partition belongs to"),
-    "wave": (L, "Wave (Delta commit) number, from 1"),
-    "partition": (L, "Planned partition index"),
-    "worker_pid": (L, "Python worker process that ran the partition"),
-    "rows": (L, "Requests in the partition"),
-    "prompt_tokens": (L, "Prompt tokens of the partition's successful requests"),
-    "completion_tokens": (L, "Generated tokens of the partition's successful requests"),
-    "engine_load_seconds": (D, "Seconds spent building the engine (0 when the worker had it cached)"),
-    "engine_seconds": (D, "Seconds inside the engine's generate call"),
-    "tokens_per_second": (D, "(prompt + generated tokens) / engine_seconds"),
-    "errors_by_code": (S, "JSON object: error code -> count in this partition"),
-    "started_at": (T.TimestampType(), "When the task started"),
-    "finished_at": (T.TimestampType(), "When the task finished"),
-}
 
 
 class ListParam(AccumulatorParam):

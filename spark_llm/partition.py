@@ -1,10 +1,10 @@
 """Token-balanced repartitioning: every inference task gets about the same estimated work.
 
 Estimated cost of a request = prompt tokens + n * max_tokens. Rows are laid on one line of cumulative cost (hashed
-into fixed partitions by id and sorted, so the order is the same every time) and cut into ``P`` equal ranges, so each partition holds total/P tokens
-give or take one request. Only per-partition sums reach the driver (one row per partition), never requests.
-Inside a partition, rows are sorted by their leading prompt tokens so that shared prefixes (system prompts) run
-back to back and vLLM's prefix cache can reuse them.
+into fixed partitions by id and sorted, so the order is the same every time) and cut into ``P`` equal ranges, so
+each partition holds total/P tokens give or take one request. Only per-partition sums reach the driver (one row per
+partition), never requests. Inside a partition, rows are sorted by their leading prompt tokens so that shared
+prefixes (system prompts) run back to back and vLLM's prefix cache can reuse them.
 """
 
 from __future__ import annotations

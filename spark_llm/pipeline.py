@@ -24,9 +24,9 @@ from .partition import PART_COL, estimate_cost, materialize, plan_partitions, ta
 from .read import read_input
 from .report import (BatchResult, batch_object, counts, errors_by_code, prompt_histogram, to_json,
                      unattributed_errors)
-from .schemas import (ERRORS_COLUMNS, ERRORS_SCHEMA, OUTPUTS_COLUMNS, OUTPUTS_SCHEMA, RESULT_SCHEMA,
-                      TOKENIZED_SCHEMA, VALIDATED_SCHEMA)
-from .metrics import METRICS_COLUMNS, ListParam, ProgressReporter, latest_records, progress_line
+from .schemas import (ERRORS_COLUMNS, METRICS_COLUMNS, OUTPUTS_COLUMNS, RESULT_SCHEMA, TOKENIZED_SCHEMA,
+                      VALIDATED_SCHEMA)
+from .metrics import ListParam, ProgressReporter, latest_records, progress_line
 from .session import check_delta
 from .tokens import TokenContext, count_batches
 from .validate import ValidationContext, validate_batches
@@ -43,9 +43,7 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     """
     if not isinstance(config, BatchConfig):
         raise TypeError(f"config must be a spark_llm.BatchConfig, got {type(config).__name__}")
-    config.require("model", "output_dir")
-    if not (config.input or config.input_table):
-        raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
+    config.require_ready()
     check_delta(spark)
     check_gpu_settings(dict(spark.sparkContext.getConf().getAll()), config.tensor_parallel_size)
     cfg = config.model_copy(update={"max_model_len": resolve_max_model_len(config)})
@@ -181,8 +179,8 @@ def _prepare_destination(spark: SparkSession, cfg: BatchConfig, batch_id: str, o
                 write.delete_rows(spark, table, F.col("batch_id") == batch_id)
     else:
         write.mkdirs(spark, out_dir)
-    write.ensure_table(spark, outputs_table, OUTPUTS_COLUMNS, OUTPUTS_SCHEMA)
-    write.ensure_table(spark, errors_table, ERRORS_COLUMNS, ERRORS_SCHEMA)
+    write.ensure_table(spark, outputs_table, OUTPUTS_COLUMNS)
+    write.ensure_table(spark, errors_table, ERRORS_COLUMNS)
 
 
 def _finished_ids(spark: SparkSession, cfg: BatchConfig, batch_id: str, outputs_table: str,

@@ -155,15 +155,14 @@ def _plain_body(df: DataFrame, cfg) -> "F.Column":
 
 
 def read_input(spark: SparkSession, cfg) -> DataFrame:
-    """The run's input as raw lines: a catalog table, a Delta table path, or JSONL files."""
+    """The run's input as raw lines: a catalog table, a Delta table path, or JSONL files (``cfg`` has passed
+    :meth:`~spark_llm.config.BatchConfig.require_ready`)."""
     if cfg.input_table:
         try:
             df = spark.read.table(cfg.input_table)
         except Exception as exc:
             raise ConfigError(f"cannot read input table {cfg.input_table!r}: {str(exc).splitlines()[0]}") from None
         return table_lines(df, cfg, cfg.input_table)
-    if not cfg.input:
-        raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
     _check_exists(spark, cfg.input)
     if is_delta_path(spark, cfg.input):
         return table_lines(spark.read.format("delta").load(cfg.input), cfg, cfg.input)

@@ -71,6 +71,23 @@ ERRORS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "created_at": (T.TimestampType(), "When the error was recorded"),
 }
 
+#: Column -> comment of the metrics table, one row per inference partition (see metrics.py).
+METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
+    "batch_id": (S, "Batch run the partition belongs to"),
+    "wave": (L, "Wave (Delta commit) number, from 1"),
+    "partition": (L, "Planned partition index"),
+    "worker_pid": (L, "Python worker process that ran the partition"),
+    "rows": (L, "Requests in the partition"),
+    "prompt_tokens": (L, "Prompt tokens of the partition's successful requests"),
+    "completion_tokens": (L, "Generated tokens of the partition's successful requests"),
+    "engine_load_seconds": (T.DoubleType(), "Seconds spent building the engine (0 when the worker had it cached)"),
+    "engine_seconds": (T.DoubleType(), "Seconds inside the engine's generate call"),
+    "tokens_per_second": (T.DoubleType(), "(prompt + generated tokens) / engine_seconds"),
+    "errors_by_code": (S, "JSON object: error code -> count in this partition"),
+    "started_at": (T.TimestampType(), "When the task started"),
+    "finished_at": (T.TimestampType(), "When the task finished"),
+}
+
 
 def json_string(col: Column) -> Column:
     """A string column as a JSON string literal (``null`` when null), built in Spark: ``to_json`` of a one-element
@@ -83,10 +100,6 @@ def table_schema(columns: dict[str, tuple[T.DataType, str]]) -> T.StructType:
     return T.StructType([T.StructField(name, dtype, name not in ("batch_id", "id", "file", "line_number"),
                                        metadata={"comment": comment})
                          for name, (dtype, comment) in columns.items()])
-
-
-OUTPUTS_SCHEMA = table_schema(OUTPUTS_COLUMNS)
-ERRORS_SCHEMA = table_schema(ERRORS_COLUMNS)
 
 
 # ---- OpenAI batch file lines (pydantic) ------------------------------------------------------------------------

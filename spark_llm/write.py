@@ -12,10 +12,9 @@ from typing import Any, Optional
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql import types as T
 
 from .config import ConfigError
-from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, json_string
+from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, json_string, table_schema
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +148,12 @@ def _conform(df: DataFrame, columns: dict) -> DataFrame:
                       for name, (dtype, comment) in columns.items()])
 
 
-def ensure_table(spark: SparkSession, table: str, columns: dict, schema: Any) -> None:
+def ensure_table(spark: SparkSession, table: str, columns: dict) -> None:
     """Create the (empty) Delta table, partitioned by batch_id, with column comments, if it does not exist."""
     if table_exists(spark, table):
         return
-    _save(_conform(spark.createDataFrame([], schema), columns).write.format("delta").partitionBy("batch_id"), table)
+    empty = spark.createDataFrame([], table_schema(columns))
+    _save(_conform(empty, columns).write.format("delta").partitionBy("batch_id"), table)
 
 
 def insert_new(df: DataFrame, table: str, columns: dict, batch_id: str) -> None:
@@ -177,9 +177,8 @@ def append_rows(spark: SparkSession, rows: list[dict], table: str, columns: dict
             return datetime.fromtimestamp(value, timezone.utc)
         return value
 
-    schema = T.StructType([T.StructField(n, t, True) for n, (t, _) in columns.items()])
     data = [tuple(cell(n, t, r.get(n)) for n, (t, _) in columns.items()) for r in rows]
-    df = _conform(spark.createDataFrame(data, schema), columns)
+    df = _conform(spark.createDataFrame(data, table_schema(columns)), columns)
     _save(df.write.format("delta").mode("append").partitionBy("batch_id"), table)
 
 

@@ -77,3 +77,11 @@ def test_redacted_settings_mask_secrets_only():
     assert red["engine_kwargs"] == {"hf_token": "***", "api-key": "***", "swap_space": 4}
     assert red["tokenizer"] == "/t" and red["default_max_tokens"] == 256
     assert red["target_tokens_per_partition"] == 2_000_000
+
+
+def test_require_ready_names_what_is_missing():
+    with pytest.raises(ConfigError, match="no input: set --input"):
+        BatchConfig(model="/m", output_dir="/out").require_ready()
+    with pytest.raises(ConfigError, match="missing required setting.*output_dir"):
+        BatchConfig(model="/m", input_table="db.requests").require_ready()
+    BatchConfig(model="/m", output_dir="/out", input_table="db.requests").require_ready()
