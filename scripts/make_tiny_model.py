@@ -98,7 +98,8 @@ def build_model(out: Path, *, seed: int = 0, vocab_size: int = 4096, hidden: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)  # e.g. .cache/ on a fresh clone
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))  # same filesystem: the rename is atomic
     try:
         tokenizer = build_tokenizer(tmp, seed, vocab_size)
         eos_ids = [tokenizer.convert_tokens_to_ids("<|end_of_text|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")]
