@@ -74,11 +74,12 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=1, help="engines the job runs at once (raw uses one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from spark_llm.engine import apply_worker_env
+    from spark_llm.session import LOCAL_ENV
+
+    apply_worker_env()  # the raw engine runs in this process; the job's local workers inherit the same
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
 
     work = Path(tempfile.mkdtemp(prefix="bench_overhead."))
     model = args.model

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import tempfile
@@ -56,7 +55,7 @@ def main(argv=None) -> int:
 
     from spark_llm.config import BatchConfig
     from spark_llm.partition import balance, estimate_cost
-    from spark_llm.pipeline import _prepare
+    from spark_llm.prepare import prepare
     from spark_llm.session import get_session
 
     work = Path(tempfile.mkdtemp(prefix="bench_partition."))
@@ -74,7 +73,7 @@ def main(argv=None) -> int:
                       batch_id="bench")
 
     t0 = time.monotonic()
-    requests = _prepare(spark, cfg, "bench").where(F.col("error_code").isNull())
+    requests = prepare(spark, cfg.resolved(max_model_len=cfg.max_model_len)).where(F.col("error_code").isNull())
     valid = estimate_cost(requests).persist(StorageLevel.MEMORY_AND_DISK)
     n_valid = valid.count()
     total = valid.agg(F.sum("est_tokens")).first()[0]
@@ -107,5 +106,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.exit(main())

@@ -42,9 +42,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--target-tokens-per-partition", type=int, default=500_000)
     args = p.parse_args(argv)
-    for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-                 "VLLM_HOST_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}.items():
-        os.environ.setdefault(k, v)
+    from spark_llm.engine import apply_worker_env
+    from spark_llm.session import LOCAL_ENV
+
+    apply_worker_env()  # the raw engine runs in this process; the job's local workers inherit the same
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
 
     from bench_overhead import iter_requests
     from spark_llm import BatchConfig, run_batch

@@ -28,7 +28,7 @@ run_batch.__doc__ = "Run one batch end to end; see spark_llm.pipeline.run_batch.
 
 def __getattr__(name):
     if name == "BatchResult":
-        from .report import BatchResult
+        from .batch import BatchResult
 
         return BatchResult
     raise AttributeError(name)

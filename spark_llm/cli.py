@@ -3,50 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
-from typing import Optional, Sequence
+import types
+from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin
 
-from .config import BatchConfig, ConfigError, spark_conf_from_yaml
+from .config import GROUPS, BatchConfig, ConfigError, spark_conf_from_yaml
 
-log = logging.getLogger("spark_llm")
+#: Flags besides the generated ones, for the design's names: flag -> config field.
+ALIASES = {"--batch-size": "max_num_seqs"}
 
-# flag -> (config field, type, help); help text is the config field's description.
-_FLAGS: list[tuple[str, str, type]] = [
-    ("--input", "input", str),
-    ("--output-dir", "output_dir", str),
-    ("--model", "model", str),
-    ("--served-model-name", "served_model_name", str),
-    ("--batch-id", "batch_id", str),
-    ("--tokenizer", "tokenizer", str),
-    ("--tensor-parallel-size", "tensor_parallel_size", int),
-    ("--max-model-len", "max_model_len", int),
-    ("--max-num-seqs", "max_num_seqs", int),
-    ("--dtype", "dtype", str),
-    ("--gpu-memory-utilization", "gpu_memory_utilization", float),
-    ("--kv-cache-memory-bytes", "kv_cache_memory_bytes", int),
-    ("--seed", "seed", int),
-    ("--default-max-tokens", "default_max_tokens", int),
-    ("--default-temperature", "default_temperature", float),
-    ("--target-tokens-per-partition", "target_tokens_per_partition", int),
-    ("--num-task-slots", "num_task_slots", int),
-    ("--context-overflow", "context_overflow", str),
-    ("--max-line-bytes", "max_line_bytes", int),
-    ("--max-requests", "max_requests", int),
-    ("--wave-partitions", "wave_partitions", int),
-    ("--output-table-prefix", "output_table_prefix", str),
-    ("--input-table", "input_table", str),
-    ("--id-column", "id_column", str),
-    ("--body-column", "body_column", str),
-    ("--prompt-column", "prompt_column", str),
-    ("--messages-column", "messages_column", str),
-    ("--system-prompt", "system_prompt", str),
-    ("--system-prompt-column", "system_prompt_column", str),
-    ("--max-tokens-column", "max_tokens_column", str),
-    ("--temperature-column", "temperature_column", str),
-    ("--table-endpoint", "table_endpoint", str),
-]
-_SWITCHES = ("overwrite", "enforce_eager", "resume", "retry_errors")
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"quantization\": \"fp8\"}'")
+    return value
+
+
+def _argument_kwargs(annotation: Any) -> dict[str, Any]:
+    """argparse settings for a config field's type (Optional[...] unwrapped)."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) in (Union, types.UnionType):
+        return _argument_kwargs(args[0])
+    if get_origin(annotation) is Literal:
+        return {"type": str, "choices": list(get_args(annotation))}
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if get_origin(annotation) is dict:
+        return {"type": _json_object, "metavar": "JSON"}
+    return {"type": annotation}
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,26 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    fields = BatchConfig.model_fields
+    """One flag per BatchConfig field (its description is the help), in the config's groups."""
     parser.add_argument("--config", help="YAML file with settings (see conf/); flags override it")
-    for flag, field, typ in _FLAGS:
-        parser.add_argument(flag, dest=field, type=typ, default=None, help=fields[field].description)
-    parser.add_argument("--batch-size", dest="max_num_seqs", type=int, default=None,
-                        help="alias of --max-num-seqs (the design's BATCH_SIZE)")
-    for field in _SWITCHES:
-        parser.add_argument("--" + field.replace("_", "-"), dest=field, action="store_true", default=None,
-                            help=fields[field].description)
     parser.add_argument("--master", default=None,
                         help="Spark master when spark-llm starts its own session (default local[2]); ignored "
                              "under spark-submit or in a notebook, where the active session is used")
     parser.add_argument("--log-level", default="INFO", help="log level of spark_llm's own loggers")
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    aliases = {field: [a for a, f in ALIASES.items() if f == field] for field in BatchConfig.model_fields}
+    for field, info in BatchConfig.model_fields.items():
+        groups[BatchConfig.group_of(field)].add_argument(
+            flag(field), *aliases[field], dest=field, default=None, help=info.description,
+            **_argument_kwargs(info.annotation))
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {field: getattr(args, field) for _, field, _ in _FLAGS}
-    overrides.update({field: getattr(args, field) for field in _SWITCHES})
+    overrides = {field: getattr(args, field) for field in BatchConfig.model_fields}
     try:
         config = BatchConfig.load(args.config, **overrides)
         config.require_ready()

@@ -6,12 +6,11 @@ Precedence, lowest first: field defaults < YAML file < environment variables (th
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -25,7 +24,24 @@ DESIGN_NAMES: dict[str, str] = {
     "STORAGE_OUTPUT_PATH": "output_dir",
 }
 
-SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+#: Setting groups, in the order ``spark-llm run --help`` shows them. Every field names its group once, below.
+GROUPS = ("input", "table input", "output", "model and engine", "sampling defaults", "limits",
+          "partitioning and waves")
+
+
+def group(name: str) -> dict[str, Any]:
+    """Field metadata: the setting's help group."""
+    assert name in GROUPS, name
+    return {"group": name}
+
+
+def engine(name: str) -> dict[str, Any]:
+    """Field metadata of an engine setting: it is passed to ``vllm.LLM`` under its own name (see
+    :class:`~spark_llm.engine.EngineSpec`), and changing it means building a new engine."""
+    return {**group(name), "engine": True}
+
+
+_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
@@ -41,130 +57,176 @@ class BatchConfig(BaseModel):
     # ---- input / output ---------------------------------------------------------------------------------------
     input: Optional[str] = Field(
         None, description="OpenAI batch JSONL input: a file, a directory or a glob on any Hadoop-compatible "
-        "filesystem (file:/, hdfs://, s3a://, abfss://, dbfs:/ ...). Env: STORAGE_INPUT_PATH.")
+        "filesystem (file:/, hdfs://, s3a://, abfss://, dbfs:/ ...). Env: STORAGE_INPUT_PATH.",
+        json_schema_extra=group("input"))
     output_dir: Optional[str] = Field(
         None, description="Directory for the Delta tables, output.jsonl, errors.jsonl and batch.json. "
-        "Must be empty or absent unless overwrite is set. Env: STORAGE_OUTPUT_PATH.")
+        "Must be empty or absent unless overwrite is set. Env: STORAGE_OUTPUT_PATH.",
+        json_schema_extra=group("output"))
     batch_id: Optional[str] = Field(
         None, description="Id stamped on every result row and on batch.json; generated (batch_<hex>) when unset. "
-        "Reuse it to find a run's rows in shared tables.")
+        "Reuse it to find a run's rows in shared tables.",
+        json_schema_extra=group("output"))
     overwrite: bool = Field(
         False, description="Replace the contents of a non-empty output_dir. Off by default so that finished "
-        "results are never destroyed by a mistyped path.")
+        "results are never destroyed by a mistyped path.",
+        json_schema_extra=group("output"))
     outputs_table_path: Optional[str] = Field(
-        None, description="Delta path of the outputs table; default <output_dir>/delta/outputs.")
+        None, description="Delta path of the outputs table; default <output_dir>/delta/outputs.",
+        json_schema_extra=group("output"))
     errors_table_path: Optional[str] = Field(
-        None, description="Delta path of the errors table; default <output_dir>/delta/errors.")
+        None, description="Delta path of the errors table; default <output_dir>/delta/errors.",
+        json_schema_extra=group("output"))
 
     output_table_prefix: Optional[str] = Field(
         None, description="Write results as managed catalog tables <prefix>outputs and <prefix>errors (e.g. "
-        "main.llm.batch_) instead of Delta paths under output_dir; many batches share them, keyed by batch_id.")
+        "main.llm.batch_) instead of Delta paths under output_dir; many batches share them, keyed by batch_id.",
+        json_schema_extra=group("output"))
     resume: bool = Field(
         False, description="Continue batch_id where an earlier run stopped: requests already in the outputs or "
-        "errors table are skipped, nothing is written twice. Needs batch_id.")
+        "errors table are skipped, nothing is written twice. Needs batch_id.",
+        json_schema_extra=group("output"))
     retry_errors: bool = Field(
-        False, description="With resume: run again the requests whose earlier error was transient (engine_error).")
+        False, description="With resume: run again the requests whose earlier error was transient (engine_error).",
+        json_schema_extra=group("output"))
     wave_partitions: Optional[int] = Field(
         None, ge=1, description="Inference partitions per Delta commit. A crash loses at most the wave in flight; "
-        "smaller waves commit more often but leave GPUs idle at each wave's tail. Default: 2 x task slots.")
+        "smaller waves commit more often but leave GPUs idle at each wave's tail. Default: 2 x task slots.",
+        json_schema_extra=group("partitioning and waves"))
 
     progress_interval_seconds: float = Field(
-        30.0, gt=0, description="Seconds between progress lines on the driver log during inference.")
+        30.0, gt=0, description="Seconds between progress lines on the driver log during inference.",
+        json_schema_extra=group("output"))
 
     # ---- table input ------------------------------------------------------------------------------------------
     input_table: Optional[str] = Field(
         None, description="Catalog table to read requests from (Delta, Parquet or anything Spark reads) instead of "
-        "input. A Delta table path can also be given as input.")
+        "input. A Delta table path can also be given as input.",
+        json_schema_extra=group("table input"))
     id_column: Optional[str] = Field(
         None, description="Table input: column holding the request id (cast to string). Default custom_id; when "
-        "the table has neither, the id is row-<sha256 of the row's JSON>[:16] (identical rows share an id).")
+        "the table has neither, the id is row-<sha256 of the row's JSON>[:16] (identical rows share an id).",
+        json_schema_extra=group("table input"))
     body_column: str = Field("body", description="Table input, OpenAI shape: column with the request body (a JSON "
-                             "string or a struct).")
+                             "string or a struct).",
+        json_schema_extra=group("table input"))
     prompt_column: Optional[str] = Field(None, description="Table input, plain shape: column with the prompt text "
-                                         "(sent as the user message, or as the completion prompt).")
+                                         "(sent as the user message, or as the completion prompt).",
+        json_schema_extra=group("table input"))
     messages_column: Optional[str] = Field(None, description="Table input, plain shape: column with chat messages "
-                                           "(a JSON string or an array of {role, content} structs).")
+                                           "(a JSON string or an array of {role, content} structs).",
+        json_schema_extra=group("table input"))
     system_prompt: Optional[str] = Field(None, description="Table input, plain shape: system message put before "
-                                         "each prompt.")
+                                         "each prompt.",
+        json_schema_extra=group("table input"))
     system_prompt_column: Optional[str] = Field(None, description="Table input, plain shape: column with a "
-                                                "per-row system message (wins over system_prompt).")
-    max_tokens_column: Optional[str] = Field(None, description="Table input, plain shape: per-row max_tokens.")
-    temperature_column: Optional[str] = Field(None, description="Table input, plain shape: per-row temperature.")
+                                                "per-row system message (wins over system_prompt).",
+        json_schema_extra=group("table input"))
+    max_tokens_column: Optional[str] = Field(None, description="Table input, plain shape: per-row max_tokens.",
+        json_schema_extra=group("table input"))
+    temperature_column: Optional[str] = Field(None, description="Table input, plain shape: per-row temperature.",
+        json_schema_extra=group("table input"))
     table_endpoint: Literal["/v1/chat/completions", "/v1/completions"] = Field(
-        "/v1/chat/completions", description="Table input, plain shape: endpoint the rows are sent to.")
+        "/v1/chat/completions", description="Table input, plain shape: endpoint the rows are sent to.",
+        json_schema_extra=group("table input"))
 
     # ---- model / engine ---------------------------------------------------------------------------------------
     model: Optional[str] = Field(
         None, description="Model directory (Hugging Face layout) readable at the same path on every executor, "
-        "e.g. a shared volume or /dbfs path. Env: MODEL_PATH.")
+        "e.g. a shared volume or /dbfs path. Env: MODEL_PATH.",
+        json_schema_extra=engine("model and engine"))
     served_model_name: Optional[str] = Field(
         None, description="Name requests must give in body.model and the name written in responses; default is "
-        "the model directory's base name.")
-    tokenizer: Optional[str] = Field(None, description="Tokenizer directory; default is the model directory.")
+        "the model directory's base name.",
+        json_schema_extra=group("model and engine"))
+    tokenizer: Optional[str] = Field(None, description="Tokenizer directory; default is the model directory.",
+        json_schema_extra=engine("model and engine"))
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs one engine spans. Set spark.task.resource.gpu.amount to the same number so one "
-        "Spark task owns exactly the GPUs of one engine. Env: TENSOR_PARALLEL_SIZE.")
+        "Spark task owns exactly the GPUs of one engine. Env: TENSOR_PARALLEL_SIZE.",
+        json_schema_extra=engine("model and engine"))
     max_model_len: Optional[int] = Field(
         None, ge=16, description="Context length (prompt + generated tokens) the engine reserves KV cache for. "
         "Lower it to fit more concurrent sequences in memory; requests that do not fit become "
-        "context_length_exceeded errors. Default: the model's max_position_embeddings. Env: MAX_MODEL_LEN.")
+        "context_length_exceeded errors. Default: the model's max_position_embeddings. Env: MAX_MODEL_LEN.",
+        json_schema_extra=engine("model and engine"))
     max_num_seqs: int = Field(
         256, ge=1, description="Engine batch size: sequences vLLM decodes concurrently. Higher saturates the GPU "
         "better but needs KV-cache memory for each; vLLM's continuous batching refills slots as sequences finish. "
-        "Env: BATCH_SIZE.")
+        "Env: BATCH_SIZE.",
+        json_schema_extra=engine("model and engine"))
     dtype: str = Field("auto", description="Weight/activation dtype passed to vLLM (auto, bfloat16, float16, "
-                       "float32). auto uses the model's own dtype.")
+                       "float32). auto uses the model's own dtype.",
+        json_schema_extra=engine("model and engine"))
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of each GPU's memory vLLM may take for weights + KV cache. Lower it "
-        "when other processes share the GPU.")
+        "when other processes share the GPU.",
+        json_schema_extra=engine("model and engine"))
     kv_cache_memory_bytes: Optional[int] = Field(
         None, ge=1, description="Fixed KV-cache size in bytes (overrides gpu_memory_utilization's sizing); handy "
-        "on CPU and for tests.")
+        "on CPU and for tests.",
+        json_schema_extra=engine("model and engine"))
     enforce_eager: bool = Field(
         False, description="Skip CUDA-graph capture / torch.compile. Faster engine start, slower decoding: use for "
-        "tiny models, tests and CPU runs.")
+        "tiny models, tests and CPU runs.",
+        json_schema_extra=engine("model and engine"))
     enable_prefix_caching: Optional[bool] = Field(
         None, description="vLLM automatic prefix caching (requests sharing a system prompt reuse its KV cache). "
-        "None keeps vLLM's default (on).")
-    seed: int = Field(0, description="Engine seed; with temperature 0 outputs are reproducible.")
+        "None keeps vLLM's default (on).",
+        json_schema_extra=engine("model and engine"))
+    seed: int = Field(0, description="Engine seed; with temperature 0 outputs are reproducible.",
+        json_schema_extra=engine("model and engine"))
     distributed_executor_backend: Optional[str] = Field(
         None, description="vLLM executor backend. None picks 'uni' (in-process, required inside Spark's forked "
-        "Python workers) for one GPU and 'mp' for tensor parallel.")
+        "Python workers) for one GPU and 'mp' for tensor parallel.",
+        json_schema_extra=engine("model and engine"))
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments passed verbatim to vllm.LLM (e.g. "
-        "quantization, swap_space). Takes precedence over the fields above.")
+        "quantization, swap_space). Takes precedence over the fields above.",
+        json_schema_extra=engine("model and engine"))
 
     # ---- sampling defaults ------------------------------------------------------------------------------------
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens for requests that give none. It also sizes each request's estimated "
-        "cost when balancing partitions, so keep it close to what you expect.")
+        "cost when balancing partitions, so keep it close to what you expect.",
+        json_schema_extra=group("sampling defaults"))
     default_temperature: float = Field(1.0, ge=0, le=2, description="temperature for requests that give none "
-                                       "(OpenAI's default is 1.0; 0 means greedy).")
-    default_top_p: float = Field(1.0, gt=0, le=1, description="top_p for requests that give none.")
+                                       "(OpenAI's default is 1.0; 0 means greedy).",
+        json_schema_extra=group("sampling defaults"))
+    default_top_p: float = Field(1.0, gt=0, le=1, description="top_p for requests that give none.",
+        json_schema_extra=group("sampling defaults"))
 
     # ---- validation limits ------------------------------------------------------------------------------------
     max_line_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Input lines longer than this become line_too_large errors without "
-        "being parsed; bounds one worker's memory per line.")
+        "being parsed; bounds one worker's memory per line.",
+        json_schema_extra=group("limits"))
     max_raw_line_chars: int = Field(
         2048, ge=0, description="Characters of the raw input line kept in an error row (the rest is cut and "
-        "marked with …). Keeps the errors table small when huge lines fail.")
+        "marked with …). Keeps the errors table small when huge lines fail.",
+        json_schema_extra=group("limits"))
     max_requests: Optional[int] = Field(
         None, ge=1, description="Most non-blank input lines one batch may hold; a larger input stops the job before "
-        "any inference. None: no limit.")
-    max_stop_sequences: int = Field(4, ge=1, description="Most stop strings a request may give (OpenAI allows 4).")
-    max_n: int = Field(16, ge=1, description="Largest n (choices per request) accepted.")
+        "any inference. None: no limit.",
+        json_schema_extra=group("limits"))
+    max_stop_sequences: int = Field(4, ge=1, description="Most stop strings a request may give (OpenAI allows 4).",
+        json_schema_extra=group("limits"))
+    max_n: int = Field(16, ge=1, description="Largest n (choices per request) accepted.",
+        json_schema_extra=group("limits"))
 
     # ---- partitioning -----------------------------------------------------------------------------------------
     target_tokens_per_partition: int = Field(
         2_000_000, ge=1, description="Estimated tokens (prompt + max tokens) per inference partition. Smaller: "
-        "finer retries and better balance, more engine calls; larger: fewer, longer tasks.")
+        "finer retries and better balance, more engine calls; larger: fewer, longer tasks.",
+        json_schema_extra=group("partitioning and waves"))
     num_task_slots: Optional[int] = Field(
         None, ge=1, description="Inference tasks that run at once (GPU engines in the cluster). Default: derived "
-        "from Spark (executors x GPUs per executor / GPUs per task, or the default parallelism on CPU).")
+        "from Spark (executors x GPUs per executor / GPUs per task, or the default parallelism on CPU).",
+        json_schema_extra=group("partitioning and waves"))
     context_overflow: Literal["error", "truncate"] = Field(
         "error", description="Prompt + max_tokens over max_model_len: 'error' rejects the request "
-        "(context_length_exceeded); 'truncate' lowers its max_tokens to fit when the prompt alone fits.")
+        "(context_length_exceeded); 'truncate' lowers its max_tokens to fit when the prompt alone fits.",
+        json_schema_extra=group("limits"))
 
     @field_validator("served_model_name", "model", "input", "output_dir", "batch_id")
     @classmethod
@@ -190,30 +252,21 @@ class BatchConfig(BaseModel):
         return self
 
     # ---- derived values ---------------------------------------------------------------------------------------
-    def resolved_batch_id(self) -> str:
-        if not self.batch_id:
-            object.__setattr__(self, "batch_id", "batch_" + uuid.uuid4().hex)
-        return self.batch_id  # type: ignore[return-value]
+    @classmethod
+    def fields_of(cls, key: str) -> tuple[str, ...]:
+        """Names of the fields whose metadata has ``key`` set (e.g. ``engine``)."""
+        return tuple(n for n, f in cls.model_fields.items() if (f.json_schema_extra or {}).get(key))
 
-    def table_paths(self) -> tuple[str, str]:
-        """Where the outputs and errors tables live: catalog names (with output_table_prefix) or Delta paths."""
-        if self.output_table_prefix:
-            return f"{self.output_table_prefix}outputs", f"{self.output_table_prefix}errors"
-        base = (self.output_dir or "").rstrip("/")
-        return (self.outputs_table_path or f"{base}/delta/outputs", self.errors_table_path or f"{base}/delta/errors")
+    @classmethod
+    def group_of(cls, name: str) -> str:
+        return cls.model_fields[name].json_schema_extra["group"]  # type: ignore[index]
 
-    def metrics_table(self) -> str:
-        if self.output_table_prefix:
-            return f"{self.output_table_prefix}metrics"
-        return f"{(self.output_dir or '').rstrip('/')}/delta/metrics"
-
-    def engine_key(self) -> str:
-        """Id of the engine settings, made on the driver: workers reuse a cached engine while it matches."""
-        fields = ("model", "tokenizer", "tensor_parallel_size", "max_model_len", "max_num_seqs", "dtype",
-                  "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager", "enable_prefix_caching",
-                  "seed", "distributed_executor_backend", "engine_kwargs")
-        blob = json.dumps({f: getattr(self, f) for f in fields}, sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    def resolved(self, max_model_len: int) -> "BatchConfig":
+        """A copy with everything a run derives filled in: a generated batch_id when none was given, the model's
+        context length, the tokenizer (default: the model directory)."""
+        return self.model_copy(update={"batch_id": self.batch_id or "batch_" + uuid.uuid4().hex,
+                                       "max_model_len": self.max_model_len or max_model_len,
+                                       "tokenizer": self.tokenizer or self.model})
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log: values under secret-looking keys are masked."""
@@ -248,6 +301,11 @@ class BatchConfig(BaseModel):
             return cls(**data)
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
+
+
+def config_view(cls: type[_T], cfg: BatchConfig) -> _T:
+    """The dataclass ``cls`` (a stage's small, picklable context) filled from the config fields of the same names."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
 
 
 _SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "auth"}

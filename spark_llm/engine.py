@@ -1,8 +1,8 @@
 """The vLLM engine, built once per Python worker and reused across tasks and batches.
 
-Follows PySpark's ``predict_batch_udf`` pattern: the driver ships a small, picklable :class:`EngineSpec` (settings
-plus a key made on the driver); each worker looks the key up in a lock-guarded cache and builds the engine only on a
-miss. Spark must reuse Python workers (``spark.python.worker.reuse``, on by default) for the cache to pay off.
+Follows PySpark's ``predict_batch_udf`` pattern: the driver ships a small, picklable :class:`EngineSpec` (the
+config's engine settings, keyed by their hash); each worker looks the key up in a lock-guarded cache and builds the
+engine only on a miss. Spark must reuse Python workers (``spark.python.worker.reuse``, on by default) for the cache to pay off.
 
 GPU placement: when Spark schedules GPUs, a task's ``TaskContext.resources()["gpu"].addresses`` are the devices it
 owns; the engine is pinned to exactly those with ``CUDA_VISIBLE_DEVICES`` before vLLM initialises CUDA.
@@ -10,14 +10,17 @@ owns; the engine is pinned to exactly those with ``CUDA_VISIBLE_DEVICES`` before
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, MutableMapping, Optional, Sequence
 
-from .config import ConfigError
+from .config import BatchConfig, ConfigError
 from .errors import EngineStartError
 
 log = logging.getLogger(__name__)
@@ -26,7 +29,9 @@ _LOCK = threading.Lock()
 _ENGINE: dict[str, Any] = {}      # key -> engine; at most one live engine per worker process
 _STATS = {"builds": 0, "load_seconds": 0.0}
 
-#: Environment vLLM needs inside Spark's forked Python workers (single process, no hub access, loopback host).
+#: Environment vLLM needs inside Spark's Python workers (single process, no hub access, loopback host). Applied by
+#: :func:`apply_worker_env` before vLLM is imported on an executor; local sessions (tests, benchmarks) apply it to
+#: the driver's environment before Spark starts, so the workers inherit it.
 WORKER_ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "HF_HUB_OFFLINE": "1",
@@ -35,52 +40,62 @@ WORKER_ENV_DEFAULTS = {
 }
 
 
+def apply_worker_env(environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Set :data:`WORKER_ENV_DEFAULTS` where the environment does not already say otherwise."""
+    env = os.environ if environ is None else environ
+    for key, value in WORKER_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+
+
 @dataclass(frozen=True)
 class EngineSpec:
-    """Picklable recipe for a vLLM engine; ``key`` identifies it in the per-worker cache."""
+    """Picklable recipe for a vLLM engine: the config's engine settings (the fields marked ``engine`` in
+    :class:`~spark_llm.config.BatchConfig`), which are ``vllm.LLM`` keyword arguments of the same names."""
 
-    key: str
-    model: str
-    tokenizer: Optional[str] = None
-    tensor_parallel_size: int = 1
-    max_model_len: Optional[int] = None
-    max_num_seqs: int = 256
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: Optional[int] = None
-    enforce_eager: bool = False
-    enable_prefix_caching: Optional[bool] = None
-    seed: int = 0
-    distributed_executor_backend: Optional[str] = None
-    engine_kwargs: dict = field(default_factory=dict)
+    settings: dict[str, Any]
 
     @classmethod
-    def from_config(cls, cfg) -> "EngineSpec":
-        return cls(key=cfg.engine_key(), model=cfg.model, tokenizer=cfg.tokenizer,
-                   tensor_parallel_size=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
-                   max_num_seqs=cfg.max_num_seqs, dtype=cfg.dtype,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization,
-                   kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, enforce_eager=cfg.enforce_eager,
-                   enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed,
-                   distributed_executor_backend=cfg.distributed_executor_backend,
-                   engine_kwargs=dict(cfg.engine_kwargs))
+    def from_config(cls, cfg: BatchConfig) -> "EngineSpec":
+        return cls(settings={name: getattr(cfg, name) for name in BatchConfig.fields_of("engine")})
+
+    @property
+    def key(self) -> str:
+        """Id of the settings: workers reuse a cached engine while it matches."""
+        blob = json.dumps(self.settings, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def model(self) -> str:
+        return self.settings["model"]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.settings["tensor_parallel_size"]
 
     def llm_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(
-            model=self.model, tokenizer=self.tokenizer or self.model, tensor_parallel_size=self.tensor_parallel_size,
-            max_num_seqs=self.max_num_seqs, dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization,
-            enforce_eager=self.enforce_eager, seed=self.seed,
-            distributed_executor_backend=self.distributed_executor_backend
-            or ("uni" if self.tensor_parallel_size == 1 else "mp"),
-        )
-        if self.max_model_len is not None:
-            kw["max_model_len"] = self.max_model_len
-        if self.kv_cache_memory_bytes is not None:
-            kw["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
-        if self.enable_prefix_caching is not None:
-            kw["enable_prefix_caching"] = self.enable_prefix_caching
-        kw.update(self.engine_kwargs)
+        """``vllm.LLM`` arguments: the settings that are set, with vLLM's own defaults for the rest;
+        ``engine_kwargs`` win."""
+        kw = {k: v for k, v in self.settings.items() if v is not None and k != "engine_kwargs"}
+        kw["tokenizer"] = kw.get("tokenizer") or self.model
+        kw["distributed_executor_backend"] = kw.get("distributed_executor_backend") or (
+            "uni" if self.tensor_parallel_size == 1 else "mp")
+        kw.update(self.settings.get("engine_kwargs") or {})
         return kw
+
+
+def model_context_length(model: str) -> int:
+    """The model's context length, read from its ``config.json`` (max_position_embeddings or the like)."""
+    config_file = Path(model or "") / "config.json"
+    try:
+        model_conf = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {config_file} to find the model's context length ({exc}); set "
+                          f"--max-model-len / MAX_MODEL_LEN") from None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = model_conf.get(key) or (model_conf.get("text_config") or {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ConfigError(f"{config_file} does not state a context length; set --max-model-len / MAX_MODEL_LEN")
 
 
 def select_gpus(task_resources: dict[str, Any] | None, tensor_parallel_size: int) -> Optional[list[str]]:
@@ -141,8 +156,7 @@ def get_engine(spec: EngineSpec) -> tuple[Any, float]:
             return engine, 0.0
         for old_key in list(_ENGINE):  # settings or GPUs changed: free the old engine's memory first
             shutdown_engine(_ENGINE.pop(old_key))
-        for k, v in WORKER_ENV_DEFAULTS.items():
-            os.environ.setdefault(k, v)
+        apply_worker_env()
         pin_gpus(gpus)
         t0 = time.monotonic()
         engine = _build(spec)

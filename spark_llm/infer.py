@@ -14,14 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .engine import EngineSpec, get_engine
+from . import faults
+from .engine import EngineSpec, apply_worker_env, get_engine
 from .errors import ErrorCode, describe_exception
+from .schemas import RESULT_FIELDS
 
 log = logging.getLogger(__name__)
-
-RESULT_FIELDS = ("id", "custom_id", "file", "line_number", "url", "request_id", "model", "text", "finish_reason",
-                 "prompt_tokens", "completion_tokens", "total_tokens", "created", "response_body", "request", "notes",
-                 "error_code", "error_message")
 
 
 @dataclass(frozen=True)
@@ -128,23 +126,6 @@ def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence
                 + generate_isolating(generate, prompts[mid:], params[mid:], is_fatal))
 
 
-#: Fault injection for tests and drills, read on the executors. ``kill_worker_once:<marker path>`` makes the first
-#: Python worker that finishes an engine call exit hard (as if OOM-killed) before yielding its results; the marker
-#: file makes it happen once per marker. Unset in normal runs.
-FAULT_ENV = "SPARK_LLM_FAULT_INJECTION"
-
-
-def _maybe_inject_fault() -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec.startswith("kill_worker_once:"):
-        try:
-            os.close(os.open(spec.split(":", 1)[1], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        log.error("fault injection: killing Python worker %d mid-partition", os.getpid())
-        os._exit(137)
-
-
 def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     """mapInPandas body: every request of the partition in one engine call; one result row per input row."""
     import pandas as pd
@@ -155,6 +136,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
         return
     pdf = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
     n = len(pdf)
+    apply_worker_env()  # before vLLM's first import in this process: it reads some of it at import time
     from vllm import SamplingParams
 
     rows: list[dict] = []
@@ -177,7 +159,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     results = generate_isolating(lambda p, s: engine.generate(p, s, use_tqdm=False), prompts, params)
     engine_s = time.monotonic() - t0
     log.info("partition: %d requests in %.1fs (engine load %.1fs)", len(prompts), engine_s, load_s)
-    _maybe_inject_fault()
+    faults.maybe_kill_worker(set(pdf["custom_id"]))
     created = int(time.time())
     for i, res in zip(index, results):
         row = rows[i]
@@ -208,7 +190,8 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
 def _base_row(pdf: Any, i: int, ctx: InferContext) -> dict:
     row = dict.fromkeys(RESULT_FIELDS)
     row.update(id=pdf["id"].iat[i], custom_id=pdf["custom_id"].iat[i], file=pdf["file"].iat[i],
-               line_number=int(pdf["line_number"].iat[i]), url=pdf["url"].iat[i], request_id=pdf["request_id"].iat[i],
+               line_number=int(pdf["line_number"].iat[i]), endpoint=pdf["url"].iat[i],
+               request_id=pdf["request_id"].iat[i],
                model=ctx.served_model_name, request=pdf["request"].iat[i], notes=pdf["notes"].iat[i],
                prompt_tokens=int(pdf["prompt_tokens"].iat[i]))
     return row

@@ -105,20 +105,32 @@ def _assign(batches: Iterator, offsets: dict[int, int], per_part: float, parts: 
         yield pdf
 
 
+#: parts -> for each slot 0..parts-1, a key that Spark's hash partitioner sends there. Spark's hash function is fixed,
+#: so this holds for every session of the process: computed once per wave size, not once per wave.
+_SLOT_KEYS: dict[int, list[int]] = {}
+
+
+def _slot_keys(spark: SparkSession, parts: int) -> list[int]:
+    if parts not in _SLOT_KEYS:
+        search = parts * 64
+        while True:
+            keys = (spark.range(search).select(F.col("id").alias("_key"),
+                                               F.expr(f"pmod(hash(id), {parts})").cast("int").alias("_slot"))
+                    .groupBy("_slot").agg(F.min("_key").alias("_key")))
+            found = {int(r["_slot"]): int(r["_key"]) for r in keys.collect()}  # `parts` rows of metadata
+            if len(found) == parts:
+                _SLOT_KEYS[parts] = [found[slot] for slot in range(parts)]
+                break
+            search *= 4
+    return _SLOT_KEYS[parts]
+
+
 def _hash_keys(spark: SparkSession, parts: int, first: int = 0) -> DataFrame:
     """For planned partitions ``first .. first+parts-1``: a key that Spark's hash partitioner (over ``parts``
     partitions) sends to exactly slot ``_part - first``."""
-    search = parts * 64
-    while True:
-        keys = (spark.range(search).select(F.col("id").alias("_key"),
-                                           F.expr(f"pmod(hash(id), {parts})").cast("int").alias("_slot"))
-                .groupBy("_slot").agg(F.min("_key").alias("_key")))
-        found = keys.collect()  # `parts` rows of metadata
-        if len(found) == parts:
-            return spark.createDataFrame([(first + int(r["_slot"]), int(r["_key"])) for r in found],
-                                         T.StructType([T.StructField(PART_COL, T.IntegerType()),
-                                                       T.StructField("_key", T.LongType())]))
-        search *= 4
+    return spark.createDataFrame([(first + slot, key) for slot, key in enumerate(_slot_keys(spark, parts))],
+                                 T.StructType([T.StructField(PART_COL, T.IntegerType()),
+                                               T.StructField("_key", T.LongType())]))
 
 
 def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int,

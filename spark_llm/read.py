@@ -13,6 +13,7 @@ import logging
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
+from . import storage
 from .config import ConfigError
 from .schemas import json_string
 
@@ -27,7 +28,7 @@ def read_lines(spark: SparkSession, path: str) -> DataFrame:
     """
     _check_exists(spark, path)
     reader = spark.read.format("text")
-    if _is_dir(spark, path):
+    if storage.is_dir(spark, path):
         reader = reader.option("recursiveFileLookup", "true")
     lines = reader.load(path).select(
         F.col("value").cast("binary").alias("value"),
@@ -44,30 +45,12 @@ def read_lines(spark: SparkSession, path: str) -> DataFrame:
     )
 
 
-def _fs_path(spark: SparkSession, path: str):
-    jvm = spark.sparkContext._jvm
-    hpath = jvm.org.apache.hadoop.fs.Path(path)
-    return hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), hpath
-
-
 def _check_exists(spark: SparkSession, path: str) -> None:
-    fs, hpath = _fs_path(spark, path)
-    matches = fs.globStatus(hpath)
-    if matches is None or len(matches) == 0:
+    if not storage.matches_any(spark, path):
         raise ConfigError(f"input {path!r} does not exist or matches no file (--input / STORAGE_INPUT_PATH)")
 
 
-def _is_dir(spark: SparkSession, path: str) -> bool:
-    fs, hpath = _fs_path(spark, path)
-    return fs.exists(hpath) and fs.getFileStatus(hpath).isDirectory()
-
-
 # ---- tables ------------------------------------------------------------------------------------------------------
-
-def is_delta_path(spark: SparkSession, path: str) -> bool:
-    fs, hpath = _fs_path(spark, path.rstrip("/") + "/_delta_log")
-    return bool(fs.exists(hpath))
-
 
 def _json_value(df: DataFrame, name: str) -> "F.Column":
     """A column as raw JSON text: strings are taken to already hold JSON, structs/arrays/maps are serialised."""
@@ -164,6 +147,6 @@ def read_input(spark: SparkSession, cfg) -> DataFrame:
             raise ConfigError(f"cannot read input table {cfg.input_table!r}: {str(exc).splitlines()[0]}") from None
         return table_lines(df, cfg, cfg.input_table)
     _check_exists(spark, cfg.input)
-    if is_delta_path(spark, cfg.input):
+    if storage.is_delta_path(spark, cfg.input):
         return table_lines(spark.read.format("delta").load(cfg.input), cfg, cfg.input)
     return read_lines(spark, cfg.input)

@@ -20,21 +20,23 @@ PLOTS = ("prompt-length histogram", "estimated tokens per partition", "throughpu
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list[dict]) -> dict[str, str]:
-    import matplotlib
+def _figure() -> tuple[Any, Any]:
+    """A figure of our own (``matplotlib.figure.Figure``): no pyplot state and no backend switch in the user's
+    process."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = Figure(figsize=(7, 3))
+    return fig, fig.subplots()
+
+
+def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list[dict]) -> dict[str, str]:
     from matplotlib.ticker import MaxNLocator
 
     out = {}
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = _figure()
     if histogram:
         edges, counts = zip(*histogram)
         width = (edges[1] - edges[0]) if len(edges) > 1 else 1
@@ -44,7 +46,7 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
     ax.set_title("Prompt length")
     out[PLOTS[0]] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = _figure()
     tokens = (plan or {}).get("tokens_per_partition") or []
     ax.bar(range(len(tokens)), tokens, color="#55a868")
     if tokens:
@@ -56,7 +58,7 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
     ax.set_title(f"Balance (max/mean {(plan or {}).get('balance_ratio', 1.0)})")
     out[PLOTS[1]] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = _figure()
     ax.bar([m["partition"] for m in metrics], [m["tokens_per_second"] for m in metrics], color="#c44e52")
     ax.set_xlabel("partition")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -64,7 +66,7 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
     ax.set_title("Engine throughput per partition")
     out[PLOTS[2]] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = _figure()
     if metrics:
         t0 = min(m["started_at"] for m in metrics)
         workers = sorted({m["worker_pid"] for m in metrics})
@@ -80,9 +82,11 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
     return out
 
 
-def render(batch: dict, plan: Optional[dict], metrics: list[dict], histogram: list[tuple[int, int]],
-           errors_by_code: dict[str, int], wall_seconds: float) -> str:
-    """The report as one HTML string."""
+def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], errors_by_code: dict[str, int],
+           wall_seconds: float) -> str:
+    """The report as one HTML string, from the batch object (as a dict), one metrics record per partition, the
+    prompt-length histogram and the error counts."""
+    plan = batch.get("partition_plan")
     counts, usage = batch["request_counts"], batch["usage"]
     engine_s = sum(m["engine_seconds"] for m in metrics)
     rows = [

@@ -1,8 +1,8 @@
-"""Spark schemas of each stage and of the result tables, and pydantic models of the OpenAI batch file lines."""
+"""Spark schemas of each stage and of the result tables, and pydantic models of the OpenAI batch output lines."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict
 from pyspark.sql import Column
@@ -16,7 +16,7 @@ def _struct(*fields: tuple[str, T.DataType, bool]) -> T.StructType:
     return T.StructType([T.StructField(n, t, nullable) for n, t, nullable in fields])
 
 
-#: validate.validate_batches output (see validate.VALIDATED_FIELDS).
+#: validate.validate_batches output: one row per non-blank input line, a request or an error.
 VALIDATED_SCHEMA = _struct(
     ("file", S, False), ("line_number", L, False), ("custom_id", S, True), ("url", S, True), ("kind", S, True),
     ("request", S, True), ("prompt_json", S, True), ("sampling_json", S, True), ("max_tokens", L, True),
@@ -30,13 +30,18 @@ TOKENIZED_SCHEMA = T.StructType(VALIDATED_SCHEMA.fields + [
     T.StructField("notes", S, True),
 ])
 
-#: infer.infer_partition output (see infer.RESULT_FIELDS).
+#: infer.infer_partition output: one row per request, a response or an engine error.
 RESULT_SCHEMA = _struct(
-    ("id", S, False), ("custom_id", S, True), ("file", S, True), ("line_number", L, True), ("url", S, True), ("request_id", S, True),
-    ("model", S, True), ("text", S, True), ("finish_reason", S, True), ("prompt_tokens", L, True),
-    ("completion_tokens", L, True), ("total_tokens", L, True), ("created", L, True), ("response_body", S, True),
-    ("request", S, True), ("notes", S, True), ("error_code", S, True), ("error_message", S, True),
+    ("id", S, False), ("custom_id", S, True), ("file", S, True), ("line_number", L, True), ("endpoint", S, True),
+    ("request_id", S, True), ("model", S, True), ("text", S, True), ("finish_reason", S, True),
+    ("prompt_tokens", L, True), ("completion_tokens", L, True), ("total_tokens", L, True), ("created", L, True),
+    ("response_body", S, True), ("request", S, True), ("notes", S, True), ("error_code", S, True),
+    ("error_message", S, True),
 )
+
+#: Field names of the stages' rows, in schema order (the plain-Python stages build dicts with these keys).
+VALIDATED_FIELDS = tuple(VALIDATED_SCHEMA.fieldNames())
+RESULT_FIELDS = tuple(RESULT_SCHEMA.fieldNames())
 
 #: Column -> comment of the outputs table (README documents the same columns).
 OUTPUTS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
@@ -103,16 +108,6 @@ def table_schema(columns: dict[str, tuple[T.DataType, str]]) -> T.StructType:
 
 
 # ---- OpenAI batch file lines (pydantic) ------------------------------------------------------------------------
-
-class BatchInputLine(BaseModel):
-    """One line of an OpenAI Batch API input file."""
-
-    model_config = ConfigDict(extra="forbid")
-    custom_id: str
-    method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
-    body: dict[str, Any]
-
 
 class BatchResponse(BaseModel):
     model_config = ConfigDict(extra="forbid")

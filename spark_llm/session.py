@@ -9,6 +9,8 @@ from typing import Mapping, Optional
 
 from pyspark.sql import SparkSession
 
+from .engine import apply_worker_env
+
 log = logging.getLogger(__name__)
 
 #: Settings for a local session (demo, tests, single machine). Cluster jobs keep their own spark-submit settings.
@@ -21,6 +23,10 @@ LOCAL_DEFAULTS = {
     "spark.sql.sources.partitionOverwriteMode": "dynamic",
     "spark.driver.memory": "2g",
 }
+#: Environment of a local session's Python workers besides the engine's own (engine.WORKER_ENV_DEFAULTS): this
+#: interpreter, and a 1 GiB KV cache when vLLM runs on the CPU (the CPU build reads this variable, GPU builds do
+#: not).
+LOCAL_ENV = {"PYSPARK_PYTHON": sys.executable, "VLLM_CPU_KVCACHE_SPACE": "1"}
 DELTA_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
@@ -31,7 +37,9 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
                 app_name: str = "spark_llm") -> SparkSession:
     """The active session if there is one (Databricks, notebooks); under spark-submit the session its command line
     describes (plus Delta's SQL extension); else a new local one (``master`` default ``local[2]``) that pulls
-    Delta's jars from Maven Central through ``spark.jars.packages`` and runs its Python workers on this interpreter.
+    Delta's jars from Maven Central through ``spark.jars.packages`` and runs its Python workers on this interpreter,
+    with the engine's worker environment (set in this process's environment where not already set, since local
+    workers inherit it).
     """
     active = SparkSession.getActiveSession()
     if active is not None:
@@ -44,8 +52,10 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
         return builder.getOrCreate()
     from delta import configure_spark_with_delta_pip
 
-    # PySpark reads the workers' interpreter from the environment when it starts the context.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # Local mode: the workers are children of this process and inherit its environment, read when Spark starts.
+    apply_worker_env()
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
 
     builder = SparkSession.builder.appName(app_name).master(master or "local[2]")
     settings = {**LOCAL_DEFAULTS, **DELTA_CONF, "spark.pyspark.python": sys.executable,

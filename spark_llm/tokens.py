@@ -40,9 +40,11 @@ def get_tokenizer(path: str) -> Any:
 
 @dataclass(frozen=True)
 class TokenContext:
-    tokenizer_path: str
+    """The config's settings of the same names, resolved (:meth:`~spark_llm.config.BatchConfig.resolved`)."""
+
+    tokenizer: str
     max_model_len: int
-    context_overflow: str = "error"
+    context_overflow: str
 
 
 def render_prompt(tokenizer: Any, kind: str, prompt: Any, char_limit: Optional[int] = None) -> tuple[list[int], bool]:
@@ -96,9 +98,6 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
     return out
 
 
-TOKEN_FIELDS = ("prompt_token_ids", "prompt_tokens", "notes")
-
-
 def count_batches(batches: Iterator, ctx: TokenContext) -> Iterator:
     """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens and notes; error rows pass through."""
     tokenizer = None
@@ -112,7 +111,7 @@ def count_batches(batches: Iterator, ctx: TokenContext) -> Iterator:
                 notes_col.append(None)
                 continue
             if tokenizer is None:
-                tokenizer = get_tokenizer(ctx.tokenizer_path)
+                tokenizer = get_tokenizer(ctx.tokenizer)
             try:
                 res = count_row(tokenizer, pdf["kind"].iat[i], pdf["prompt_json"].iat[i],
                                 pdf["sampling_json"].iat[i], ctx)

@@ -1,7 +1,8 @@
 """Parse and validate OpenAI batch lines. Every non-blank line becomes one request row or one error row; nothing raises.
 
-The functions here are plain Python (no Spark) so they can be tested exhaustively; :func:`validate_frame` applies
-them to the raw-line DataFrame with ``mapInPandas`` and :func:`mark_duplicates` flags repeated ``custom_id``\\ s.
+The functions here are plain Python (no Spark) so they can be tested exhaustively; :func:`validate_batches` applies
+them to the raw-line DataFrame in ``mapInPandas`` (the prepare stage, :mod:`spark_llm.prepare`, then flags repeated
+``custom_id``\\ s).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from .errors import ErrorCode, RequestError, truncate
+from .schemas import VALIDATED_FIELDS
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -32,21 +34,17 @@ _COMPLETION_FIELDS = _COMMON_SAMPLING | {"prompt"} | HARMLESS_FIELDS
 
 @dataclass(frozen=True)
 class ValidationContext:
-    """What validation needs to know about the run; shipped to the executors inside the UDF closure."""
+    """What validation needs to know about the run; shipped to the executors inside the UDF closure. The fields
+    are the config's settings of the same names (:func:`~spark_llm.config.config_view`)."""
 
     served_model_name: str
-    default_max_tokens: int = 256
-    default_temperature: float = 1.0
-    default_top_p: float = 1.0
-    max_line_bytes: int = 16 * 1024 * 1024
-    max_raw_line_chars: int = 2048
-    max_stop_sequences: int = 4
-    max_n: int = 16
-
-
-#: Columns of a validated row, in order (see schemas.VALIDATED_SCHEMA).
-VALIDATED_FIELDS = ("file", "line_number", "custom_id", "url", "kind", "request", "prompt_json", "sampling_json",
-                    "max_tokens", "error_code", "error_message", "raw_line")
+    default_max_tokens: int
+    default_temperature: float
+    default_top_p: float
+    max_line_bytes: int
+    max_raw_line_chars: int
+    max_stop_sequences: int
+    max_n: int
 
 
 def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: ValidationContext) -> Optional[dict]:

@@ -1,198 +1,102 @@
-"""Delta result tables and the OpenAI-format JSONL files, written through Spark and Hadoop streams.
+"""The result tables and the OpenAI files: where a run's rows go, exactly once.
 
-The JSONL files are written by Spark as part files and then concatenated into one file by the JVM (Hadoop
-``FileSystem`` streams), so no row passes through the Python driver. Every final file appears by rename, never half
-written.
+Rows reach the ``outputs`` and ``errors`` Delta tables by MERGE on (batch_id, id), so a retried or resumed write
+never adds a second row for a request. ``output.jsonl`` and ``errors.jsonl`` are rebuilt from the tables at the end
+of a run by Spark (see :func:`~spark_llm.storage.write_single_text_file`); no row passes through the driver.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
 
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from . import storage
 from .config import ConfigError
-from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, json_string, table_schema
+from .context import RunContext
+from .errors import ErrorCode
+from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, json_string
 
 log = logging.getLogger(__name__)
 
 
-# ---- Hadoop filesystem helpers -------------------------------------------------------------------------------
-
-def _fs(spark: SparkSession, path: str) -> tuple[Any, Any]:
-    jvm = spark.sparkContext._jvm
-    hpath = jvm.org.apache.hadoop.fs.Path(path)
-    fs = hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    fs.setWriteChecksum(False)  # no .crc side files next to the results on local filesystems
-    return fs, hpath
-
-
-def exists(spark: SparkSession, path: str) -> bool:
-    fs, hpath = _fs(spark, path)
-    return bool(fs.exists(hpath))
-
-
-def delete(spark: SparkSession, path: str) -> None:
-    fs, hpath = _fs(spark, path)
-    if fs.exists(hpath):
-        fs.delete(hpath, True)
-
-
-def mkdirs(spark: SparkSession, path: str) -> None:
-    fs, hpath = _fs(spark, path)
-    fs.mkdirs(hpath)
-
-
-def prepare_output_dir(spark: SparkSession, output_dir: str, overwrite: bool) -> None:
-    """Refuse a non-empty output directory unless ``overwrite``; then clear it."""
-    fs, hpath = _fs(spark, output_dir)
-    if fs.exists(hpath):
-        if not fs.getFileStatus(hpath).isDirectory():
-            raise ConfigError(f"output dir {output_dir!r} is a file, not a directory")
-        if len(fs.listStatus(hpath)) > 0:
-            if not overwrite:
-                raise ConfigError(f"output dir {output_dir!r} is not empty; choose another --output-dir or pass "
-                                  f"--overwrite to replace its contents")
-            log.warning("overwriting the contents of %s", output_dir)
-            for status in fs.listStatus(hpath):
-                fs.delete(status.getPath(), True)
-    fs.mkdirs(hpath)
-
-
-def write_text_atomic(spark: SparkSession, path: str, text: str) -> None:
-    """Write a small text file (e.g. batch.json) through a temp file and a rename."""
-    fs, hpath = _fs(spark, path)
-    tmp = spark.sparkContext._jvm.org.apache.hadoop.fs.Path(path + ".tmp")
-    out = fs.create(tmp, True)
-    try:
-        out.write(bytearray(text.encode("utf-8")))
-    finally:
-        out.close()
-    _replace(fs, tmp, hpath)
-
-
-def _replace(fs: Any, src: Any, dst: Any) -> None:
-    if fs.exists(dst):
-        fs.delete(dst, False)
-    if not fs.rename(src, dst):
-        raise IOError(f"could not rename {src.toString()} to {dst.toString()}")
-
-
-def merge_parts(spark: SparkSession, parts_dir: str, dest: str) -> None:
-    """Concatenate the ``part-*`` files of ``parts_dir`` (in name order) into ``dest``, atomically, in the JVM."""
-    jvm = spark.sparkContext._jvm
-    fs, src = _fs(spark, parts_dir)
-    _, dst = _fs(spark, dest)
-    tmp = jvm.org.apache.hadoop.fs.Path(dest + ".tmp")
-    conf = spark.sparkContext._jsc.hadoopConfiguration()
-    parts = sorted((s.getPath() for s in fs.listStatus(src) if s.getPath().getName().startswith("part-")),
-                   key=lambda p: p.getName())
-    out = fs.create(tmp, True)
-    try:
-        for part in parts:
-            stream = fs.open(part)
-            try:
-                jvm.org.apache.hadoop.io.IOUtils.copyBytes(stream, out, conf, False)
-            finally:
-                stream.close()
-    finally:
-        out.close()
-    _replace(fs, tmp, dst)
-    fs.delete(src, True)
-
-
-# ---- Delta tables -----------------------------------------------------------------------------------------------
-
-def _is_name(table: str) -> bool:
-    """Catalog names (catalog.schema.table) have no slash or scheme; everything else is a Delta path."""
-    return "/" not in table and ":" not in table
-
-
-def table_exists(spark: SparkSession, table: str) -> bool:
-    if _is_name(table):
-        return bool(spark.catalog.tableExists(table))
-    return exists(spark, table.rstrip("/") + "/_delta_log")
-
-
-def read_table(spark: SparkSession, table: str, version: Optional[int] = None) -> DataFrame:
-    """The table, or its snapshot at ``version`` (Delta time travel) so that later commits do not change it."""
-    reader = spark.read.format("delta")
-    if version is not None:
-        reader = reader.option("versionAsOf", version)
-    return reader.table(table) if _is_name(table) else reader.load(table)
-
-
-def current_version(spark: SparkSession, table: str) -> int:
-    return int(_delta(spark, table).history(1).select("version").first()[0])
-
-
-def _delta(spark: SparkSession, table: str) -> Any:
-    from delta.tables import DeltaTable
-
-    return DeltaTable.forName(spark, table) if _is_name(table) else DeltaTable.forPath(spark, table)
-
-
-def _save(writer: Any, table: str) -> None:
-    """Write to a catalog table by name or to a Delta path."""
-    if _is_name(table):
-        writer.saveAsTable(table)
+def prepare_destination(run: RunContext) -> None:
+    """Output dir and tables ready: refuse to clobber earlier results unless told to overwrite or resume."""
+    spark, cfg, paths = run.spark, run.cfg, run.paths
+    if cfg.resume:
+        storage.mkdirs(spark, paths.output_dir)
     else:
-        writer.save(table)
+        storage.prepare_output_dir(spark, paths.output_dir, cfg.overwrite)
+        for table in (paths.outputs_table, paths.errors_table):
+            if storage.table_exists(spark, table) and not _batch_rows(run, table).isEmpty():
+                if not cfg.overwrite:
+                    raise ConfigError(f"table {table} already holds rows of batch {run.batch_id!r}; pass --resume "
+                                      f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
+                storage.delete_rows(spark, table, F.col("batch_id") == run.batch_id)
+    storage.ensure_table(spark, paths.outputs_table, OUTPUTS_COLUMNS)
+    storage.ensure_table(spark, paths.errors_table, ERRORS_COLUMNS)
 
 
-def _conform(df: DataFrame, columns: dict) -> DataFrame:
-    """Select the table's columns in order, cast, with their comments as column metadata."""
-    return df.select([F.col(name).cast(dtype).alias(name, metadata={"comment": comment})
-                      for name, (dtype, comment) in columns.items()])
+def _batch_rows(run: RunContext, table: str, version: int | None = None) -> DataFrame:
+    return storage.read_table(run.spark, table, version).where(F.col("batch_id") == run.batch_id)
 
 
-def ensure_table(spark: SparkSession, table: str, columns: dict) -> None:
-    """Create the (empty) Delta table, partitioned by batch_id, with column comments, if it does not exist."""
-    if table_exists(spark, table):
-        return
-    empty = spark.createDataFrame([], table_schema(columns))
-    _save(_conform(empty, columns).write.format("delta").partitionBy("batch_id"), table)
+def outputs(run: RunContext) -> DataFrame:
+    return _batch_rows(run, run.paths.outputs_table)
 
 
-def insert_new(df: DataFrame, table: str, columns: dict, batch_id: str) -> None:
-    """Insert the rows whose (batch_id, id) is not in the table yet: one Delta MERGE, so a retried or resumed write
-    never adds a second row for the same request."""
-    spark = df.sparkSession
-    source = _conform(df, columns).alias("s")
-    quoted = batch_id.replace("'", "''")
-    (_delta(spark, table).alias("t")
-     .merge(source, f"t.batch_id = '{quoted}' AND t.id = s.id")
-     .whenNotMatchedInsertAll()
-     .execute())
+def errors(run: RunContext) -> DataFrame:
+    return _batch_rows(run, run.paths.errors_table)
 
 
-def append_rows(spark: SparkSession, rows: list[dict], table: str, columns: dict) -> None:
-    """Append a few small records (e.g. one per partition) to a Delta table, created on first use."""
-    from datetime import datetime, timezone
-
-    def cell(name: str, dtype: Any, value: Any) -> Any:
-        if dtype.typeName() == "timestamp" and isinstance(value, (int, float)):
-            return datetime.fromtimestamp(value, timezone.utc)
-        return value
-
-    data = [tuple(cell(n, t, r.get(n)) for n, (t, _) in columns.items()) for r in rows]
-    df = _conform(spark.createDataFrame(data, table_schema(columns)), columns)
-    _save(df.write.format("delta").mode("append").partitionBy("batch_id"), table)
+def pending(run: RunContext, requests: DataFrame) -> DataFrame:
+    """With ``resume``, the requests without a row in either table yet (with ``retry_errors``, transient engine
+    errors are first removed, to be rerun)."""
+    if run.cfg.retry_errors:
+        storage.delete_rows(run.spark, run.paths.errors_table, (F.col("batch_id") == run.batch_id)
+                            & (F.col("code") == ErrorCode.ENGINE_ERROR.value))
+    # pinned snapshots: the waves about to commit must not change which requests count as pending
+    done = [_batch_rows(run, t, storage.current_version(run.spark, t)).select("id")
+            for t in (run.paths.outputs_table, run.paths.errors_table)]
+    return requests.join(done[0].unionByName(done[1]).distinct(), "id", "left_anti")
 
 
-def delete_rows(spark: SparkSession, table: str, condition: Column) -> None:
-    if table_exists(spark, table):
-        _delta(spark, table).delete(condition)
+# ---- rows ----------------------------------------------------------------------------------------------------
+
+def _table_rows(df: DataFrame, columns: dict, derived: dict) -> DataFrame:
+    """The table's columns from ``df``: same-named columns as they are, the others from ``derived``."""
+    return df.select([derived.get(name, F.col(name)).alias(name) for name in columns])
 
 
-def insert_outputs(df: DataFrame, table: str, batch_id: str) -> None:
-    insert_new(df, table, OUTPUTS_COLUMNS, batch_id)
+def error_rows(df: DataFrame, run: RunContext) -> DataFrame:
+    """Rows that carry ``error_code`` (validation or inference) as errors-table rows, the raw line cut to
+    ``max_raw_line_chars``."""
+    limit = run.cfg.max_raw_line_chars
+    raw = F.coalesce(F.col("raw_line"), F.col("request")) if "raw_line" in df.columns else F.col("request")
+    cut = F.when(F.length(raw) > limit, F.concat(F.substring(raw, 1, max(limit - 1, 0)), F.lit("…"))).otherwise(raw)
+    return _table_rows(df.where(F.col("error_code").isNotNull()), ERRORS_COLUMNS, {
+        "batch_id": F.lit(run.batch_id), "code": F.col("error_code"), "message": F.col("error_message"),
+        "raw_line": cut, "created_at": F.current_timestamp()})
 
 
-def insert_errors(df: DataFrame, table: str, batch_id: str) -> None:
-    insert_new(df, table, ERRORS_COLUMNS, batch_id)
+def output_rows(results: DataFrame, run: RunContext) -> DataFrame:
+    """Inference results that got a response, as outputs-table rows."""
+    return _table_rows(results.where(F.col("error_code").isNull()), OUTPUTS_COLUMNS, {
+        "batch_id": F.lit(run.batch_id), "created_at": F.timestamp_seconds("created")})
+
+
+def insert_errors(run: RunContext, rows: DataFrame) -> None:
+    storage.insert_new(rows, run.paths.errors_table, ERRORS_COLUMNS, run.batch_id)
+
+
+def commit_results(run: RunContext, results: DataFrame, responses: int, errors: int) -> None:
+    """One wave's inference results (``responses`` + ``errors`` rows) into both tables: one MERGE each, none for
+    a table that gets no rows."""
+    if responses:
+        storage.insert_new(output_rows(results, run), run.paths.outputs_table, OUTPUTS_COLUMNS, run.batch_id)
+    if errors:
+        insert_errors(run, error_rows(results, run))
 
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------
@@ -215,9 +119,7 @@ def error_lines(errors: DataFrame) -> DataFrame:
     return errors.orderBy("file", "line_number").select(line.alias("value"))
 
 
-def write_jsonl(spark: SparkSession, lines: DataFrame, dest: str) -> None:
-    """Write a one-column ``value`` frame as a single JSONL file at ``dest`` (part files, then a JVM merge)."""
-    parts_dir = dest + ".parts"
-    delete(spark, parts_dir)
-    lines.write.mode("overwrite").option("lineSep", "\n").text(parts_dir)
-    merge_parts(spark, parts_dir, dest)
+def write_openai_files(run: RunContext) -> None:
+    """output.jsonl and errors.jsonl of the whole batch (every run of it), rebuilt from the tables."""
+    storage.write_single_text_file(run.spark, output_lines(outputs(run)), run.paths.output_file)
+    storage.write_single_text_file(run.spark, error_lines(errors(run)), run.paths.error_file)

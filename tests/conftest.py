@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Spark session with Delta, one tiny model built once per test run."""
+"""Shared fixtures: one local Spark session with Delta, one tiny model built once per test run, and one shared
+end-to-end run (ordinary, hostile and fault-injected lines together) that most job-level tests assert on."""
 
 from __future__ import annotations
 
@@ -7,29 +8,33 @@ import importlib.util
 import json
 import logging
 import os
-import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# vLLM inside Spark's forked Python workers: single process, no hub, small KV cache. Set before Spark starts so the
-# workers inherit it.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
 MODEL_NAME = "tiny-llm"
+#: The shared run holds a request with this custom_id: the Python worker whose partition holds it dies hard once,
+#: right after its engine call (spark_llm.faults), and Spark retries the partition.
+KILL_CUSTOM_ID = "kill-my-worker"
 
 
 @pytest.fixture(scope="session")
-def spark(tmp_path_factory):
+def kill_marker(tmp_path_factory) -> Path:
+    """Created by the worker the fault injection killed."""
+    return tmp_path_factory.mktemp("faults") / "killed.marker"
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory, kill_marker):
+    from spark_llm.faults import FAULT_ENV
     from spark_llm.session import get_session
 
+    # set before Spark starts: local workers inherit the driver's environment
+    os.environ[FAULT_ENV] = f"kill_worker_once:{kill_marker}:{KILL_CUSTOM_ID}"
     warehouse = tmp_path_factory.mktemp("warehouse")
     # local[2, 2]: two task slots, and a failed task is retried once (as on a cluster), for the fault tests
     session = get_session(master="local[2,2]", conf={
@@ -78,6 +83,14 @@ def completion_line(custom_id: str, prompt="Once upon a time", **body) -> dict:
             "body": {"model": MODEL_NAME, "prompt": prompt, **body}}
 
 
+def validation_context(**settings):
+    """The validation stage's context for a config with these settings."""
+    from spark_llm.config import BatchConfig, config_view
+    from spark_llm.validate import ValidationContext
+
+    return config_view(ValidationContext, BatchConfig(served_model_name=MODEL_NAME, **settings))
+
+
 def engine_settings(model: str) -> dict:
     """Engine settings every engine test shares, so each Spark Python worker builds one engine for the whole run."""
     return dict(model=model, served_model_name=MODEL_NAME, max_model_len=512, max_num_seqs=32, dtype="bfloat16",
@@ -102,3 +115,27 @@ def capture_logs(name: str = "spark_llm"):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    result: Any                                 #: spark_llm.batch.BatchResult
+    expected: dict[tuple[str, int], str]       #: (file name, line number) -> "ok" or the error code
+    root: Path
+    logs: list[str]                             #: spark_llm's INFO+ log messages during the run
+
+
+@pytest.fixture(scope="session")
+def shared_run(spark, tiny_model, tmp_path_factory) -> SharedRun:
+    """The one end-to-end run most job-level tests assert on: ordinary, hostile and fault-injected lines in three
+    files (tests/batch_lines.py), on real Spark, Delta and vLLM."""
+    from batch_lines import build_e2e_input, build_hostile_input
+    from spark_llm import BatchConfig, run_batch
+
+    root = tmp_path_factory.mktemp("shared")
+    expected = {**build_e2e_input(root / "input"), **build_hostile_input(root / "input")}
+    cfg = BatchConfig(input=str(root / "input"), output_dir=str(root / "out"), batch_id="b-e2e",
+                      **engine_settings(tiny_model))
+    with capture_logs() as messages:
+        result = run_batch(spark, cfg)
+    return SharedRun(result, expected, root, messages)

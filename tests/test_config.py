@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
-from spark_llm.config import BatchConfig, ConfigError, spark_conf_from_yaml
+from conftest import ROOT
+from spark_llm.cli import add_run_arguments, flag
+from spark_llm.config import BatchConfig, ConfigError, config_view, spark_conf_from_yaml
+from spark_llm.engine import EngineSpec
 
 
 def test_defaults_and_served_name_from_model_dir():
@@ -46,9 +50,59 @@ def test_bad_settings_are_reported_clearly(tmp_path):
 
 
 def test_engine_key_changes_with_engine_settings_only():
-    a = BatchConfig(model="/m", input="a", output_dir="o1")
-    assert a.engine_key() == BatchConfig(model="/m", input="b", output_dir="o2").engine_key()
-    assert a.engine_key() != BatchConfig(model="/m", max_num_seqs=3).engine_key()
+    def key(**settings):
+        return EngineSpec.from_config(BatchConfig(**settings)).key
+
+    assert key(model="/m", input="a", output_dir="o1") == key(model="/m", input="b", output_dir="o2")
+    assert key(model="/m") != key(model="/m", max_num_seqs=3)
+
+
+def test_every_setting_has_a_flag_in_its_group():
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    by_dest = {a.dest: a for a in parser._actions}
+    assert set(BatchConfig.model_fields) <= set(by_dest)
+    for name, info in BatchConfig.model_fields.items():
+        assert flag(name) in by_dest[name].option_strings and by_dest[name].help == info.description
+    titles = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    assert all(name in titles[BatchConfig.group_of(name)] for name in BatchConfig.model_fields)
+    args = parser.parse_args(["--engine-kwargs", '{"swap_space": 2}', "--no-enforce-eager", "--batch-size", "7",
+                              "--context-overflow", "truncate", "--default-top-p", "0.5"])
+    assert (args.engine_kwargs, args.enforce_eager, args.max_num_seqs) == ({"swap_space": 2}, False, 7)
+    assert (args.context_overflow, args.default_top_p, args.model) == ("truncate", 0.5, None)
+
+
+def test_stage_contexts_and_the_engine_spec_are_views_of_the_config():
+    from spark_llm.tokens import TokenContext
+    from spark_llm.validate import ValidationContext
+
+    cfg = BatchConfig(model="/m", max_model_len=64, max_n=3, default_top_p=0.5).resolved(max_model_len=999)
+    assert cfg.max_model_len == 64 and cfg.tokenizer == "/m" and cfg.batch_id.startswith("batch_")
+    assert config_view(TokenContext, cfg) == TokenContext(tokenizer="/m", max_model_len=64, context_overflow="error")
+    v = config_view(ValidationContext, cfg)
+    assert (v.max_n, v.default_top_p, v.served_model_name) == (3, 0.5, "m")
+    spec = EngineSpec.from_config(cfg)
+    assert set(spec.settings) == set(BatchConfig.fields_of("engine"))
+    assert spec.llm_kwargs()["max_model_len"] == 64
+
+
+def test_schemas_match_the_rows_the_stages_build():
+    from conftest import validation_context
+    from spark_llm.schemas import (ERRORS_COLUMNS, OUTPUTS_COLUMNS, RESULT_FIELDS, TOKENIZED_SCHEMA,
+                                   VALIDATED_SCHEMA)
+    from spark_llm.validate import validate_line
+
+    row = validate_line(b'{"custom_id": "a"}', "f", 1, validation_context())
+    assert tuple(row) == tuple(VALIDATED_SCHEMA.fieldNames())
+    assert TOKENIZED_SCHEMA.fieldNames()[:len(row)] == list(row)
+    # every table column comes from a result column of the same name, or is one of the few derived ones
+    assert set(OUTPUTS_COLUMNS) - set(RESULT_FIELDS) == {"batch_id", "created_at"}
+    assert set(ERRORS_COLUMNS) - set(RESULT_FIELDS) == {"batch_id", "code", "message", "raw_line", "created_at"}
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for title, columns in (("### `outputs` table", OUTPUTS_COLUMNS), ("### `errors` table", ERRORS_COLUMNS)):
+        section = readme.split(title, 1)[1].split("\n\n", 2)[1]
+        documented = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
+        assert documented == list(columns), title
 
 
 def test_import_and_cli_help_do_not_load_vllm_or_torch():

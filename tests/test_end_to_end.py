@@ -1,4 +1,5 @@
-"""The whole job on real Spark, real Delta and real vLLM (CPU) with the tiny model: every rule on one input."""
+"""The whole job on real Spark, real Delta and real vLLM (CPU) with the tiny model: every rule on one input (the
+shared run, see conftest.py and batch_lines.py)."""
 
 from __future__ import annotations
 
@@ -9,78 +10,18 @@ import pytest
 from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
-from conftest import MODEL_NAME, capture_logs, chat_line, completion_line, engine_settings, write_jsonl
+from batch_lines import OK
+from conftest import KILL_CUSTOM_ID, MODEL_NAME, engine_settings
 from spark_llm import BatchConfig, ConfigError, run_batch
 from spark_llm.report_html import PLOTS
 from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
 
 pytestmark = pytest.mark.engine
 
-OK = "ok"
-
-
-def build_input(root: Path) -> dict[tuple[str, int], str]:
-    """Two input files; returns (file name, line number) -> expected outcome (OK or an error code)."""
-    a = [
-        chat_line("chat-greedy", "Summarize: Spark runs tasks in parallel.", temperature=0, max_tokens=6),
-        chat_line("zh-1", "请总结以下文本的核心观点：批量推理可以降低成本。", temperature=0, max_tokens=5),
-        "",
-        b"\xef\xbb\xbf" + json.dumps(chat_line("bom-in-line", temperature=0)).encode(),
-        json.dumps(chat_line("crlf", temperature=0)) + "\r",
-        chat_line("n2", "Name a color.", n=2, temperature=0.8, seed=1, max_tokens=4),
-        chat_line("lp", "Say yes.", temperature=0, max_tokens=3, logprobs=True, top_logprobs=2),
-        completion_line("comp-1", "Once upon a time", temperature=0, max_tokens=5, logprobs=2, stop=["\n\n"]),
-        completion_line("comp-ids", [5, 6, 7, 8], temperature=0, max_tokens=4),
-        chat_line("  spaced id ", temperature=0, max_tokens=2),
-        "this is not json",
-        "[1, 2, 3]",
-        b'{"custom_id": "bad-utf8", "body": "\xff"}',
-        {"method": "POST", "url": "/v1/chat/completions", "body": {}},
-        {**chat_line("get"), "method": "GET"},
-        {**chat_line("embed"), "url": "/v1/embeddings"},
-        {**chat_line("no-body"), "body": None},
-        chat_line("wrong-model") | {"body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}},
-        chat_line("empty-msgs") | {"body": {"model": MODEL_NAME, "messages": []}},
-        chat_line("bad-role") | {"body": {"model": MODEL_NAME, "messages": [{"role": "robot", "content": "x"}]}},
-        chat_line("stream", stream=True),
-        chat_line("hot", temperature=3),
-        chat_line("tools", tools=[]),
-        completion_line("too-long", "word " * 600, max_tokens=8),
-        chat_line("chat-greedy", "a duplicate of line 1"),
-        # valid for the API, but over the engine's max_logprobs (3): the real engine rejects this one request
-        chat_line("engine-reject", "Hi", temperature=0, max_tokens=2, logprobs=True, top_logprobs=5),
-    ]
-    b = [
-        chat_line("zh-1", "a duplicate of a line in another file"),
-        completion_line("comp-b", "The weather today", temperature=0, max_tokens=4),
-        "{truncated",
-    ]
-    expected_a = [OK, OK, None, OK, OK, OK, OK, OK, OK, OK, "invalid_json", "invalid_json", "invalid_encoding",
-                  "invalid_custom_id", "invalid_method", "unsupported_endpoint", "invalid_request",
-                  "model_not_found", "invalid_request", "invalid_request", "unsupported_parameter", "invalid_request",
-                  "unsupported_parameter", "context_length_exceeded", "duplicate_custom_id", "engine_error"]
-    expected_b = ["duplicate_custom_id", OK, "invalid_json"]
-    root.mkdir(parents=True, exist_ok=True)
-    write_jsonl(root / "a.jsonl", a)
-    write_jsonl(root / "b.jsonl", b)
-    expected = {("a.jsonl", i + 1): e for i, e in enumerate(expected_a) if e is not None}
-    expected.update({("b.jsonl", i + 1): e for i, e in enumerate(expected_b)})
-    return expected
-
 
 @pytest.fixture(scope="module")
-def run(spark, tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    expected = build_input(root / "input")
-    cfg = BatchConfig(input=str(root / "input"), output_dir=str(root / "out"), batch_id="b-e2e",
-                      **engine_settings(tiny_model))
-    with capture_logs() as messages:
-        result = run_batch(spark, cfg)
-    LOGS.extend(messages)
-    return result, expected, root
-
-
-LOGS: list[str] = []
+def run(shared_run):
+    return shared_run.result, shared_run.expected, shared_run.root
 
 
 def outputs_df(spark, result):
@@ -206,6 +147,7 @@ def test_batch_object(spark, run):
     result, _, _ = run
     batch = json.loads(Path(result.batch_file).read_text())
     parsed = Batch.model_validate(batch)  # openai-python's own model of the batch object
+    assert batch == json.loads(result.batch.to_json())
     assert parsed.request_counts.total == result.total and all(isinstance(v, str) for v in parsed.metadata.values())
     assert parsed.endpoint == "/v1/chat/completions,/v1/completions"  # this batch mixes both
     outs = outputs_df(spark, result).agg(F.sum("prompt_tokens"), F.sum("completion_tokens")).first()
@@ -215,7 +157,9 @@ def test_batch_object(spark, run):
     assert batch["usage"]["total_tokens"] == outs[0] + outs[1]
     assert batch["created_at"] <= batch["in_progress_at"] <= batch["completed_at"]
     listed = sorted((e["file"].rsplit("/", 1)[-1], e["line"], e["code"]) for e in batch["errors"]["data"])
-    assert listed == [("a.jsonl", 11, "invalid_json"), ("a.jsonl", 12, "invalid_json"),
+    unattributed = errors_df(spark, result).where(F.col("custom_id").isNull()).count()
+    assert len(listed) == batch["errors"]["total"] == unattributed
+    assert [e for e in listed if e[0] != "hostile.jsonl"] == [("a.jsonl", 11, "invalid_json"), ("a.jsonl", 12, "invalid_json"),
                       ("a.jsonl", 13, "invalid_encoding"), ("a.jsonl", 14, "invalid_custom_id"),
                       ("b.jsonl", 3, "invalid_json")]
     plan = batch["partition_plan"]
@@ -231,44 +175,41 @@ def test_non_empty_output_dir_is_refused(spark, run, tiny_model):
     assert Path(result.output_file).exists()
 
 
-def test_greedy_rerun_gives_identical_outputs(spark, run, tiny_model):
-    result, _, root = run
-    again = run_batch(spark, BatchConfig(input=str(root / "input"), output_dir=str(root / "out2"),
-                                         batch_id="b-e2e-2", **engine_settings(tiny_model)))
-    def greedy(res):
-        rows = outputs_df(spark, res).where(F.col("batch_id") == res.batch_id).collect()
-        return {r["custom_id"]: (r["text"], r["completion_tokens"], json.loads(r["response_body"])["choices"][0].get("logprobs"))
-                for r in rows if json.loads(r["request"])["body"].get("temperature") == 0}
-    first, second = greedy(result), greedy(again)
-    assert len(first) >= 8 and first == second
-
-
 def test_metrics_table_agrees_with_the_outputs(spark, run):
     result, _, _ = run
-    metrics = spark.read.format("delta").load(result.batch["metadata"]["metrics_table"]) \
+    metrics = spark.read.format("delta").load(result.batch.metadata["metrics_table"]) \
         .where(F.col("batch_id") == "b-e2e").collect()
     outs = outputs_df(spark, result).agg(F.sum("prompt_tokens"), F.sum("completion_tokens")).first()
-    plan = result.batch["partition_plan"]
+    plan = result.batch.partition_plan
     assert sorted(m["partition"] for m in metrics) == list(range(plan["num_partitions"]))
     assert sum(m["rows"] for m in metrics) == sum(plan["requests_per_partition"])
-    assert sum(m["prompt_tokens"] for m in metrics) == outs[0] == result.batch["usage"]["input_tokens"]
-    assert sum(m["completion_tokens"] for m in metrics) == outs[1] == result.batch["usage"]["output_tokens"]
+    assert sum(m["prompt_tokens"] for m in metrics) == outs[0] == result.batch.usage.input_tokens
+    assert sum(m["completion_tokens"] for m in metrics) == outs[1] == result.batch.usage.output_tokens
     assert sum(json.loads(m["errors_by_code"]).get("engine_error", 0) for m in metrics) == 1
     assert all(m["engine_seconds"] > 0 and m["finished_at"] >= m["started_at"] for m in metrics)
 
 
 def test_report_html_has_the_summary_and_plots(run):
-    result, _, _ = run
-    page = Path(result.batch["metadata"]["report_file"]).read_text(encoding="utf-8")
+    result, expected, _ = run
+    page = Path(result.batch.metadata["report_file"]).read_text(encoding="utf-8")
     assert page.startswith("<!doctype html>") and "Batch b-e2e" in page
     for name in PLOTS:
         assert f'alt="{name}" src="data:image/png;base64,' in page
-    assert "<td>engine_error</td><td>1</td>" in page and "<td>invalid_json</td><td>3</td>" in page
+    invalid_json = sum(1 for outcome in expected.values() if outcome == "invalid_json")
+    assert "<td>engine_error</td><td>1</td>" in page and f"<td>invalid_json</td><td>{invalid_json}</td>" in page
 
 
-def test_progress_line_in_driver_log(run):
+def test_progress_line_in_driver_log(run, shared_run):
     result, _, _ = run
-    progress = [m for m in LOGS if m.startswith("progress b-e2e: wave ")]
-    assert progress, LOGS
+    progress = [m for m in shared_run.logs if m.startswith("progress b-e2e: wave ")]
+    assert progress, shared_run.logs
     assert f"requests {result.completed + 1}/{result.completed + 1} (100.0%)" in progress[-1]
     assert "tok/s" in progress[-1] and "eta" in progress[-1]
+
+
+def test_worker_killed_mid_partition_is_retried_exactly_once(spark, run, kill_marker):
+    result, _, _ = run
+    assert kill_marker.exists()  # the worker holding KILL_CUSTOM_ID's partition really died after its engine call
+    killed = outputs_df(spark, result).where(F.col("custom_id") == KILL_CUSTOM_ID).collect()
+    assert len(killed) == 1 and killed[0]["completion_tokens"] == 2
+    assert Path(result.output_file).read_text().count(f'"custom_id":"{KILL_CUSTOM_ID}"') == 1

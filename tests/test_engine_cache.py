@@ -30,7 +30,8 @@ def probe(spec: EngineSpec, prompt_ids: list[int]):
 
 
 def test_one_engine_per_worker_reused_across_tasks_and_jobs(spark, tiny_model):
-    spec = EngineSpec.from_config(BatchConfig(**engine_settings(tiny_model)))
+    # resolved as a run resolves it, so that the workers reuse the engines the earlier tests built
+    spec = EngineSpec.from_config(BatchConfig(**engine_settings(tiny_model)).resolved(max_model_len=512))
     schema = "pid long, builds long, engine_id long, tokens string, rows long"
     df = spark.range(0, 8, 1, numPartitions=8)
     first = df.mapInPandas(probe(spec, [5, 6, 7, 8, 9]), schema).collect()

@@ -19,7 +19,7 @@ def chat(text):
 
 
 def test_chat_count_uses_the_chat_template(tok, tiny_model):
-    ctx = TokenContext(tiny_model, max_model_len=512)
+    ctx = TokenContext(tiny_model, max_model_len=512, context_overflow="error")
     res = count_row(tok, "chat", chat("hello world"), json.dumps({"max_tokens": 4}), ctx)
     rendered = tok.apply_chat_template([{"role": "user", "content": "hello world"}], tokenize=False,
                                        add_generation_prompt=True)
@@ -31,7 +31,7 @@ def test_chat_count_uses_the_chat_template(tok, tiny_model):
 
 
 def test_over_long_request_is_rejected_with_both_numbers(tok, tiny_model):
-    ctx = TokenContext(tiny_model, max_model_len=64)
+    ctx = TokenContext(tiny_model, max_model_len=64, context_overflow="error")
     res = count_row(tok, "completion", json.dumps("data " * 50), json.dumps({"max_tokens": 30}), ctx)
     assert res["error_code"] == "context_length_exceeded"
     n = res["prompt_tokens"]
@@ -53,7 +53,7 @@ def test_truncate_mode_lowers_max_tokens_when_the_prompt_fits(tok, tiny_model):
 
 
 def test_huge_prompt_is_rejected_after_bounded_work(tok, tiny_model):
-    ctx = TokenContext(tiny_model, max_model_len=128)
+    ctx = TokenContext(tiny_model, max_model_len=128, context_overflow="error")
     huge = "lorem ipsum dolor " * 200_000  # 3.6M characters
     res = count_row(tok, "chat", chat(huge), json.dumps({"max_tokens": 4}), ctx)
     assert res["error_code"] == "context_length_exceeded" and "at least" in res["error_message"]
@@ -61,6 +61,6 @@ def test_huge_prompt_is_rejected_after_bounded_work(tok, tiny_model):
 
 
 def test_token_id_prompts_outside_the_vocabulary(tok, tiny_model):
-    ctx = TokenContext(tiny_model, max_model_len=128)
+    ctx = TokenContext(tiny_model, max_model_len=128, context_overflow="error")
     res = count_row(tok, "completion", json.dumps([1, 2, 10**6]), json.dumps({"max_tokens": 4}), ctx)
     assert res["error_code"] == "invalid_request" and "vocabulary" in res["error_message"]

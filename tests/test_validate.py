@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from conftest import MODEL_NAME, chat_line, completion_line
-from spark_llm.validate import VALIDATED_FIELDS, ValidationContext, sampling_params, validate_line
+from conftest import chat_line, completion_line, validation_context
+from spark_llm.schemas import VALIDATED_FIELDS
+from spark_llm.validate import ValidationContext, sampling_params, validate_line
 
-CTX = ValidationContext(served_model_name=MODEL_NAME, default_max_tokens=32, max_line_bytes=4096,
+CTX = validation_context(default_max_tokens=32, max_line_bytes=4096,
                         max_raw_line_chars=50)
 
 
@@ -83,7 +84,7 @@ def test_malformed_lines(raw, code):
 
 
 def test_deeply_nested_json_is_an_error_not_a_crash():
-    ctx = ValidationContext(served_model_name=MODEL_NAME, max_line_bytes=1 << 20)
+    ctx = validation_context(max_line_bytes=1 << 20)
     for raw in (b"[" * 100000 + b"]" * 100000, b'{"a":' * 50000 + b"1" + b"}" * 50000):
         row = validate_line(raw, "f", 1, ctx)
         assert row["error_code"] == "invalid_json" and "nested too deeply" in row["error_message"]

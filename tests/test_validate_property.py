@@ -8,10 +8,11 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import MODEL_NAME, chat_line, completion_line
-from spark_llm.validate import VALIDATED_FIELDS, ValidationContext, validate_batches, validate_line
+from conftest import chat_line, completion_line, validation_context
+from spark_llm.schemas import VALIDATED_FIELDS
+from spark_llm.validate import validate_batches, validate_line
 
-CTX = ValidationContext(served_model_name=MODEL_NAME, max_line_bytes=4096, max_raw_line_chars=64)
+CTX = validation_context(max_line_bytes=4096, max_raw_line_chars=64)
 CODES = {"invalid_encoding", "line_too_large", "invalid_json", "invalid_custom_id", "invalid_method",
          "unsupported_endpoint", "invalid_request", "unsupported_parameter", "model_not_found"}
 

@@ -1,0 +1,94 @@
+"""One run's context: the session, the settings with everything derived already filled in, where each result goes,
+and the channel the inference tasks report their metrics on. Made once by :meth:`RunContext.start`; every stage
+takes it instead of a list of parameters."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from pyspark.sql import SparkSession
+
+from . import storage
+from .config import BatchConfig
+from .engine import model_context_length
+from .metrics import ListParam
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run writes: the OpenAI files and the report under ``output_dir``, and the three Delta tables."""
+
+    output_dir: str
+    output_file: str
+    error_file: str
+    batch_file: str
+    report_file: str
+    staging: str
+    outputs_table: str
+    errors_table: str
+    metrics_table: str
+
+    @classmethod
+    def from_config(cls, cfg: BatchConfig) -> "RunPaths":
+        out = (cfg.output_dir or "").rstrip("/")
+        if cfg.output_table_prefix:  # managed catalog tables, shared by many batches
+            tables = {name: f"{cfg.output_table_prefix}{name}" for name in ("outputs", "errors", "metrics")}
+        else:
+            tables = {"outputs": cfg.outputs_table_path or f"{out}/delta/outputs",
+                      "errors": cfg.errors_table_path or f"{out}/delta/errors", "metrics": f"{out}/delta/metrics"}
+        return cls(output_dir=out, output_file=f"{out}/output.jsonl", error_file=f"{out}/errors.jsonl",
+                   batch_file=f"{out}/batch.json", report_file=f"{out}/report.html", staging=f"{out}/_staging",
+                   outputs_table=tables["outputs"], errors_table=tables["errors"], metrics_table=tables["metrics"])
+
+
+@dataclass(frozen=True)
+class RunContext:
+    spark: SparkSession
+    cfg: BatchConfig     #: resolved: batch_id, max_model_len and tokenizer are set
+    paths: RunPaths
+    created_at: int      #: the batch's creation time (kept across --resume runs)
+    started: float       #: when this run started (time.time())
+    metrics: Any         #: Spark accumulator of per-partition records (see metrics.py)
+
+    @classmethod
+    def start(cls, spark: SparkSession, config: BatchConfig) -> "RunContext":
+        cfg = config.resolved(max_model_len=config.max_model_len or model_context_length(config.model or ""))
+        paths = RunPaths.from_config(cfg)
+        created_at = (_previous_created_at(spark, paths.batch_file) if cfg.resume else None) or int(time.time())
+        return cls(spark=spark, cfg=cfg, paths=paths, created_at=created_at, started=time.time(),
+                   metrics=spark.sparkContext.accumulator([], ListParam()))
+
+    @property
+    def batch_id(self) -> str:
+        return self.cfg.batch_id  # type: ignore[return-value]
+
+    def describe(self, stage: str) -> None:
+        """Name the Spark jobs that follow (shown in the Spark UI)."""
+        self.spark.sparkContext.setJobDescription(f"spark_llm {self.batch_id}: {stage}")
+
+    @contextlib.contextmanager
+    def job_group(self) -> Iterator[None]:
+        """The run's Spark jobs in one cancellable group, cleared again when the run ends, success or not (the
+        session may be a notebook's)."""
+        sc = self.spark.sparkContext
+        sc.setJobGroup(self.batch_id, f"spark_llm {self.batch_id}", interruptOnCancel=True)
+        try:
+            yield
+        finally:
+            for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
+                sc.setLocalProperty(key, None)  # type: ignore[arg-type]
+
+
+def _previous_created_at(spark: SparkSession, batch_file: str) -> Optional[int]:
+    try:
+        text = storage.read_text(spark, batch_file)
+        return int(json.loads(text)["created_at"]) if text else None
+    except Exception:  # unreadable summary of an interrupted run: start a new clock
+        return None

@@ -1,0 +1,90 @@
+"""The prepare stage: raw lines -> validated, deduplicated, tokenized rows with their batch line ids.
+
+Everything before inference that looks at single requests: reading (:mod:`~spark_llm.read`), validation
+(:mod:`~spark_llm.validate`), duplicate ``custom_id``\\ s, token counting (:mod:`~spark_llm.tokens`) and the stable
+per-line ids the result tables are keyed by. Rows that fail anywhere carry ``error_code``; none are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from .config import BatchConfig, ConfigError, config_view
+from .errors import ErrorCode
+from .read import read_input
+from .schemas import TOKENIZED_SCHEMA, VALIDATED_SCHEMA
+from .tokens import TokenContext, count_batches
+from .validate import ValidationContext, validate_batches
+
+
+def prepare(spark: SparkSession, cfg: BatchConfig) -> DataFrame:
+    """Every non-blank input line as one row: a request with its prompt token ids, or an error. ``cfg`` is
+    resolved (:meth:`~spark_llm.config.BatchConfig.resolved`): the ids depend on its batch_id."""
+    vctx = config_view(ValidationContext, cfg)
+    tctx = config_view(TokenContext, cfg)
+    lines = read_input(spark, cfg)
+    validated = lines.mapInPandas(lambda it: validate_batches(it, vctx), VALIDATED_SCHEMA)
+    deduped = mark_duplicates(validated)
+    tokenized = deduped.mapInPandas(lambda it: count_batches(it, tctx), TOKENIZED_SCHEMA)
+    return with_line_ids(tokenized, cfg.batch_id or "")
+
+
+@dataclass(frozen=True)
+class Outcomes:
+    """How many rows a frame of requests or results holds, and how many of them are errors."""
+
+    rows: int
+    errors: int
+
+    @property
+    def ok(self) -> int:
+        return self.rows - self.errors
+
+
+def count_outcomes(df: DataFrame) -> Outcomes:
+    """One aggregate (a single row reaches the driver)."""
+    r = df.agg(F.count(F.lit(1)).alias("rows"), F.count("error_code").alias("errors")).first()
+    return Outcomes(rows=int(r["rows"]), errors=int(r["errors"]))
+
+
+def check_size(counts: Outcomes, cfg: BatchConfig) -> None:
+    """Stop before any inference when the input holds more than ``max_requests`` lines."""
+    if cfg.max_requests is not None and counts.rows > cfg.max_requests:
+        raise ConfigError(f"input holds {counts.rows} requests, over max_requests={cfg.max_requests}; split the "
+                          f"input or raise the limit")
+
+
+def mark_duplicates(df: DataFrame) -> DataFrame:
+    """The first line (by file, line number) of each custom_id keeps its fate; later lines become
+    duplicate_custom_id errors that name the first line."""
+    with_id = df.where(F.col("custom_id").isNotNull())
+    w = Window.partitionBy("custom_id").orderBy("file", "line_number")
+    ranked = (with_id.withColumn("_rank", F.row_number().over(w))
+              .withColumn("_first_line", F.first("line_number").over(w))
+              .withColumn("_first_file", F.first("file").over(w)))
+    dup = F.col("_rank") > 1
+    message = F.concat(F.lit("custom_id is already used by line "), F.col("_first_line").cast("string"),
+                       F.when(F.col("_first_file") != F.col("file"), F.concat(F.lit(" of "), F.col("_first_file")))
+                       .otherwise(F.lit("")), F.lit("; only the first occurrence runs"))
+    marked = ranked.select(
+        *[c for c in df.columns if c not in ("error_code", "error_message", "raw_line")],
+        F.when(dup, F.lit(ErrorCode.DUPLICATE_CUSTOM_ID.value)).otherwise(F.col("error_code")).alias("error_code"),
+        F.when(dup, message).otherwise(F.col("error_message")).alias("error_message"),
+        F.when(dup, F.coalesce(F.col("raw_line"), F.col("request"))).otherwise(F.col("raw_line")).alias("raw_line"),
+    )
+    return marked.select(df.columns).unionByName(df.where(F.col("custom_id").isNull()))
+
+
+def with_line_ids(df: DataFrame, batch_id: str) -> DataFrame:
+    """Stable, unique per-line ids from the batch id and the custom_id (file and line for lines without a usable
+    or with a duplicate custom_id)."""
+    by_line = F.concat(F.lit("\u0000"), F.col("file"), F.lit(":"), F.col("line_number").cast("string"))
+    unique_id = F.col("custom_id").isNotNull() & (F.coalesce(F.col("error_code"), F.lit("")) != F.lit(
+        ErrorCode.DUPLICATE_CUSTOM_ID.value))
+    ident = F.when(unique_id, F.col("custom_id")).otherwise(by_line)
+    digest = F.sha2(F.concat(F.lit(batch_id + "\u0000"), ident), 256)
+    return df.select("*", F.concat(F.lit("batch_req_"), F.substring(digest, 1, 32)).alias("id"),
+                     F.concat(F.lit("req_"), F.substring(digest, 33, 32)).alias("request_id"))

@@ -1,0 +1,154 @@
+"""The lines of the shared end-to-end run: every validation rule, hostile bytes and a fault-injected request, in
+three input files. Each builder returns (file name, line number) -> expected outcome (OK or an error code)."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from pathlib import Path
+
+from conftest import KILL_CUSTOM_ID, MODEL_NAME, chat_line, completion_line, write_jsonl
+
+OK = "ok"
+SECRET_PROMPT = "zebra-violet-secret-prompt"
+HOSTILE_FILE = "hostile.jsonl"
+
+
+def build_e2e_input(root: Path) -> dict[tuple[str, int], str]:
+    """a.jsonl and b.jsonl: every rule once; returns (file name, line number) -> expected outcome (OK or a code)."""
+    a = [
+        chat_line("chat-greedy", "Summarize: Spark runs tasks in parallel.", temperature=0, max_tokens=6),
+        chat_line("zh-1", "请总结以下文本的核心观点：批量推理可以降低成本。", temperature=0, max_tokens=5),
+        "",
+        b"\xef\xbb\xbf" + json.dumps(chat_line("bom-in-line", temperature=0)).encode(),
+        json.dumps(chat_line("crlf", temperature=0)) + "\r",
+        chat_line("n2", "Name a color.", n=2, temperature=0.8, seed=1, max_tokens=4),
+        chat_line("lp", "Say yes.", temperature=0, max_tokens=3, logprobs=True, top_logprobs=2),
+        completion_line("comp-1", "Once upon a time", temperature=0, max_tokens=5, logprobs=2, stop=["\n\n"]),
+        completion_line("comp-ids", [5, 6, 7, 8], temperature=0, max_tokens=4),
+        chat_line("  spaced id ", temperature=0, max_tokens=2),
+        "this is not json",
+        "[1, 2, 3]",
+        b'{"custom_id": "bad-utf8", "body": "\xff"}',
+        {"method": "POST", "url": "/v1/chat/completions", "body": {}},
+        {**chat_line("get"), "method": "GET"},
+        {**chat_line("embed"), "url": "/v1/embeddings"},
+        {**chat_line("no-body"), "body": None},
+        chat_line("wrong-model") | {"body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}},
+        chat_line("empty-msgs") | {"body": {"model": MODEL_NAME, "messages": []}},
+        chat_line("bad-role") | {"body": {"model": MODEL_NAME, "messages": [{"role": "robot", "content": "x"}]}},
+        chat_line("stream", stream=True),
+        chat_line("hot", temperature=3),
+        chat_line("tools", tools=[]),
+        completion_line("too-long", "word " * 600, max_tokens=8),
+        chat_line("chat-greedy", "a duplicate of line 1"),
+        # valid for the API, but over the engine's max_logprobs (3): the real engine rejects this one request
+        chat_line("engine-reject", "Hi", temperature=0, max_tokens=2, logprobs=True, top_logprobs=5),
+    ]
+    b = [
+        chat_line("zh-1", "a duplicate of a line in another file"),
+        completion_line("comp-b", "The weather today", temperature=0, max_tokens=4),
+        "{truncated",
+        chat_line(KILL_CUSTOM_ID, "The worker answering this dies once.", temperature=0, max_tokens=2),
+    ]
+    expected_a = [OK, OK, None, OK, OK, OK, OK, OK, OK, OK, "invalid_json", "invalid_json", "invalid_encoding",
+                  "invalid_custom_id", "invalid_method", "unsupported_endpoint", "invalid_request",
+                  "model_not_found", "invalid_request", "invalid_request", "unsupported_parameter", "invalid_request",
+                  "unsupported_parameter", "context_length_exceeded", "duplicate_custom_id", "engine_error"]
+    expected_b = ["duplicate_custom_id", OK, "invalid_json", OK]
+    root.mkdir(parents=True, exist_ok=True)
+    write_jsonl(root / "a.jsonl", a)
+    write_jsonl(root / "b.jsonl", b)
+    expected = {("a.jsonl", i + 1): e for i, e in enumerate(expected_a) if e is not None}
+    expected.update({("b.jsonl", i + 1): e for i, e in enumerate(expected_b)})
+    return expected
+
+
+def body(**kw):
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def env(cid, **kw):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body(**kw)}
+
+
+def hostile_cases() -> list[tuple[object, str | None]]:
+    """(line, expected outcome); None for lines that are blank and produce nothing."""
+    nfc, nfd = unicodedata.normalize("NFC", "café"), unicodedata.normalize("NFD", "café")
+    cases: list[tuple[object, str | None]] = [
+        (b"\xef\xbb\xbf" + json.dumps(chat_line("bom-start", SECRET_PROMPT, temperature=0, max_tokens=2)).encode(), OK),
+        (b'{"custom_id": "bad-bytes", "x": "\xc3\x28"}', "invalid_encoding"),
+        (b'{"custom_id": "bom-mid",\xef\xbb\xbf "method": "POST"}', "invalid_json"),
+        (json.dumps(chat_line("h-crlf", temperature=0, max_tokens=2)).encode() + b"\r", OK),
+        (b'{"custom_id": "surrogate", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny-llm", "messages": [{"role": "user", "content": "\\ud800"}]}}', "invalid_encoding"),
+        (b"", None),
+        (b"not json at all", "invalid_json"),
+        (b"42", "invalid_json"),
+        (b"null", "invalid_json"),
+        (b"[" * 50000 + b"]" * 50000, "invalid_json"),
+        (json.dumps(chat_line("huge-prompt", "word " * 1_000_000)).encode(), "context_length_exceeded"),
+        # envelope: each field missing, null, wrong type, empty
+        ({k: v for k, v in env("x").items() if k != "custom_id"}, "invalid_custom_id"),
+        ({**env("x"), "custom_id": None}, "invalid_custom_id"),
+        ({**env("x"), "custom_id": 17}, "invalid_custom_id"),
+        ({**env("x"), "custom_id": ""}, "invalid_custom_id"),
+        ({k: v for k, v in env("no-method").items() if k != "method"}, "invalid_method"),
+        ({**env("null-method"), "method": None}, "invalid_method"),
+        ({**env("int-method"), "method": 1}, "invalid_method"),
+        ({**env("put"), "method": "PUT"}, "invalid_method"),
+        ({k: v for k, v in env("no-url").items() if k != "url"}, "unsupported_endpoint"),
+        ({**env("null-url"), "url": None}, "unsupported_endpoint"),
+        ({**env("empty-url"), "url": ""}, "unsupported_endpoint"),
+        ({**env("v2-url"), "url": "/v2/chat/completions"}, "unsupported_endpoint"),
+        ({**env("slash-url"), "url": "/v1/chat/completions/"}, "unsupported_endpoint"),
+        ({**env("resp-url"), "url": "/v1/responses"}, "unsupported_endpoint"),
+        ({k: v for k, v in env("h-no-body").items() if k != "body"}, "invalid_request"),
+        ({**env("null-body"), "body": None}, "invalid_request"),
+        ({**env("list-body"), "body": []}, "invalid_request"),
+        # custom_ids that differ only by case, whitespace, normal form or a non-breaking space: all distinct
+        (chat_line("Case", temperature=0, max_tokens=2), OK),
+        (chat_line("case", temperature=0, max_tokens=2), OK),
+        (chat_line("case ", temperature=0, max_tokens=2), OK),
+        (chat_line(nfc, temperature=0, max_tokens=2), OK),
+        (chat_line(nfd, temperature=0, max_tokens=2), OK),
+        (chat_line("a\u00a0b", temperature=0, max_tokens=2), OK),
+        (chat_line("a b", temperature=0, max_tokens=2), OK),
+        (chat_line("case", "again"), "duplicate_custom_id"),
+        (chat_line("case", "and again"), "duplicate_custom_id"),
+        # body
+        (env("model-other", model="gpt-4o"), "model_not_found"),
+        (env("model-case", model="Tiny-LLM"), "model_not_found"),
+        (env("model-space", model="tiny-llm "), "model_not_found"),
+        (env("model-empty", model=""), "model_not_found"),
+        (env("msgs-empty", messages=[]), "invalid_request"),
+        (env("msgs-str", messages="hi"), "invalid_request"),
+        (env("msgs-items", messages=[1, 2]), "invalid_request"),
+        (env("msgs-role", messages=[{"role": "god", "content": "x"}]), "invalid_request"),
+        (env("msgs-content", messages=[{"role": "user", "content": {"a": 1}}]), "invalid_request"),
+        (env("msgs-blank", messages=[{"role": "user", "content": ""}]), "invalid_request"),
+        (env("h-stream", stream=True), "unsupported_parameter"),
+        (env("n0", n=0), "invalid_request"),
+        (env("temp-neg", temperature=-1), "invalid_request"),
+        (env("top-p-0", top_p=0), "invalid_request"),
+        (env("top-p-big", top_p=1.01), "invalid_request"),
+        (env("pen", presence_penalty=2.5), "invalid_request"),
+        (env("max0", max_tokens=0), "invalid_request"),
+        (env("stops", stop=["a", "b", "c", "d", "e"]), "invalid_request"),
+        (env("lp-type", logprobs="yes"), "invalid_request"),
+        (env("h-tools", tools=[{"type": "function"}]), "unsupported_parameter"),
+        (env("fmt", response_format={"type": "json_object"}), "unsupported_parameter"),
+        (completion_line("echo", echo=True), "unsupported_parameter"),
+        (completion_line("comp-ok", temperature=0, max_tokens=3), OK),
+    ]
+    return cases
+
+
+def build_hostile_input(root: Path) -> dict[tuple[str, int], str]:
+    """hostile.jsonl: the cases above, the last line without a trailing newline."""
+    cases = hostile_cases()
+    data = b"\n".join(c if isinstance(c, bytes) else json.dumps(c, ensure_ascii=False).encode() for c, _ in cases)
+    last = json.dumps(chat_line("no-trailing-newline", temperature=0, max_tokens=2)).encode()
+    (root / HOSTILE_FILE).write_bytes(data + b"\n" + last)
+    expected = {(HOSTILE_FILE, i + 1): e for i, (_, e) in enumerate(cases) if e is not None}
+    expected[(HOSTILE_FILE, len(cases) + 1)] = OK
+    return expected
