@@ -180,6 +180,11 @@ class BatchConfig(BaseModel):
         None, description="vLLM executor backend. None picks 'uni' (in-process, required inside Spark's forked "
         "Python workers) for one GPU and 'mp' for tensor parallel.",
         json_schema_extra=engine("model and engine"))
+    engine_idle_timeout_seconds: float = Field(
+        600.0, ge=0, description="An engine process (one per GPU or tensor-parallel group of an executor, kept "
+        "between tasks and batches) stops after this long without requests, freeing its GPUs; the next batch loads "
+        "it again. 0 keeps it for the executor's whole life.",
+        json_schema_extra=group("model and engine"))
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments passed verbatim to vllm.LLM (e.g. "
         "quantization, swap_space). Takes precedence over the fields above.",
@@ -263,10 +268,12 @@ class BatchConfig(BaseModel):
 
     def resolved(self, max_model_len: int) -> "BatchConfig":
         """A copy with everything a run derives filled in: a generated batch_id when none was given, the model's
-        context length, the tokenizer (default: the model directory)."""
+        context length, the tokenizer (default: the model directory), and local relative model and tokenizer
+        paths made absolute (executors run in other directories)."""
+        model, tokenizer = _absolute(self.model), _absolute(self.tokenizer or self.model)
         return self.model_copy(update={"batch_id": self.batch_id or "batch_" + uuid.uuid4().hex,
                                        "max_model_len": self.max_model_len or max_model_len,
-                                       "tokenizer": self.tokenizer or self.model})
+                                       "model": model, "tokenizer": tokenizer})
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log: values under secret-looking keys are masked."""
@@ -301,6 +308,13 @@ class BatchConfig(BaseModel):
             return cls(**data)
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
+
+
+def _absolute(path: Optional[str]) -> Optional[str]:
+    """A relative path that exists here, made absolute; anything else (URIs, absolute paths) as it is."""
+    if path and not os.path.isabs(path) and "://" not in path and os.path.exists(path):
+        return os.path.abspath(path)
+    return path
 
 
 def config_view(cls: type[_T], cfg: BatchConfig) -> _T:

@@ -15,7 +15,7 @@ from pyspark.sql import SparkSession
 
 from . import storage
 from .config import BatchConfig
-from .engine import model_context_length
+from .engine import inference_profile, model_context_length
 from .metrics import ListParam
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,12 @@ class RunContext:
         created_at = (_previous_created_at(spark, paths.batch_file) if cfg.resume else None) or int(time.time())
         return cls(spark=spark, cfg=cfg, paths=paths, created_at=created_at, started=time.time(),
                    metrics=spark.sparkContext.accumulator([], ListParam()))
+
+    @property
+    def gpu_profile(self) -> Any:
+        """The inference stage's ResourceProfile (its GPUs), or None (see engine.inference_profile)."""
+        conf = dict(self.spark.sparkContext.getConf().getAll())
+        return inference_profile(conf, self.cfg.tensor_parallel_size)
 
     @property
     def batch_id(self) -> str:

@@ -1,11 +1,9 @@
-"""The vLLM engine, built once per Python worker and reused across tasks and batches.
+"""The vLLM engine: its settings (:class:`EngineSpec`, a small picklable recipe the driver ships to the tasks, keyed
+by the hash of the settings), the GPUs a task owns, the driver-side check of Spark's GPU settings, and the build.
 
-Follows PySpark's ``predict_batch_udf`` pattern: the driver ships a small, picklable :class:`EngineSpec` (the
-config's engine settings, keyed by their hash); each worker looks the key up in a lock-guarded cache and builds the
-engine only on a miss. Spark must reuse Python workers (``spark.python.worker.reuse``, on by default) for the cache to pay off.
-
-GPU placement: when Spark schedules GPUs, a task's ``TaskContext.resources()["gpu"].addresses`` are the devices it
-owns; the engine is pinned to exactly those with ``CUDA_VISIBLE_DEVICES`` before vLLM initialises CUDA.
+Where engines live (one per GPU or tensor-parallel group, in a process of its own for the life of the executor) is
+:mod:`spark_llm.engine_service`. When Spark schedules GPUs, a task's ``TaskContext.resources()["gpu"].addresses``
+are the devices it owns; its engine runs with ``CUDA_VISIBLE_DEVICES`` set to exactly those.
 """
 
 from __future__ import annotations
@@ -14,20 +12,14 @@ import hashlib
 import json
 import logging
 import os
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, MutableMapping, Optional, Sequence
+from typing import Any, MutableMapping, Optional
 
 from .config import BatchConfig, ConfigError
 from .errors import EngineStartError
 
 log = logging.getLogger(__name__)
-
-_LOCK = threading.Lock()
-_ENGINE: dict[str, Any] = {}      # key -> engine; at most one live engine per worker process
-_STATS = {"builds": 0, "load_seconds": 0.0}
 
 #: Environment vLLM needs inside Spark's Python workers (single process, no hub access, loopback host). Applied by
 #: :func:`apply_worker_env` before vLLM is imported on an executor; local sessions (tests, benchmarks) apply it to
@@ -114,61 +106,68 @@ def select_gpus(task_resources: dict[str, Any] | None, tensor_parallel_size: int
     return addresses
 
 
+def _amount(spark_conf: dict[str, str], key: str) -> float:
+    try:
+        return float(spark_conf.get(key) or 0)
+    except ValueError:
+        raise ConfigError(f"{key} is {spark_conf.get(key)!r}, not a number") from None
+
+
 def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) -> None:
-    """Driver-side check of Spark's GPU scheduling against the engine: one task must own exactly the
-    ``tensor_parallel_size`` GPUs of one engine (a fractional amount would put two engines on one GPU)."""
-    raw = spark_conf.get("spark.task.resource.gpu.amount")
-    if not raw:
-        return
-    amount = float(raw)
-    if amount != tensor_parallel_size:
+    """Driver-side check of Spark's GPU settings against the engine, one clear message per mistake: one inference
+    task must own exactly the ``tensor_parallel_size`` GPUs of one engine."""
+    task, executor = (_amount(spark_conf, f"spark.{k}.resource.gpu.amount") for k in ("task", "executor"))
+    if task and task != tensor_parallel_size:
         raise ConfigError(
-            f"spark.task.resource.gpu.amount is {raw} but tensor_parallel_size is {tensor_parallel_size}: set both "
-            f"to the same whole number so each inference task owns exactly the GPUs of one engine"
-            + (" (a fraction would put two engines on one GPU)" if amount < 1 else ""))
+            f"spark.task.resource.gpu.amount is {spark_conf['spark.task.resource.gpu.amount']} but "
+            f"tensor_parallel_size is {tensor_parallel_size}: each inference task must own exactly the GPUs of one "
+            f"engine. Better, leave spark.task.resource.gpu.amount unset: spark_llm asks for "
+            f"{tensor_parallel_size} GPU(s) on the inference stage alone (stage-level scheduling)"
+            + (" (a fraction would put two engines on one GPU)" if task < 1 else ""))
+    if executor and executor < tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but executors have {executor:g} GPU(s) "
+                          f"(spark.executor.resource.gpu.amount): one engine's GPUs must be on one executor")
+    if task:
+        log.warning("spark.task.resource.gpu.amount is set for every stage, so reading, validation and token "
+                    "counting also run one task per GPU; leave it unset to let spark_llm ask for GPUs on the "
+                    "inference stage only")
+    if executor and executor % tensor_parallel_size:
+        log.warning("executors have %g GPUs, not a multiple of tensor_parallel_size %d: %g of them stay idle",
+                    executor, tensor_parallel_size, executor % tensor_parallel_size)
+    if executor and spark_conf.get("spark.executor.pyspark.memory"):
+        raise ConfigError("spark.executor.pyspark.memory limits the Python workers' address space (RLIMIT_AS), "
+                          "which breaks CUDA's memory reservations in the engine processes they start: unset it "
+                          "and size spark.executor.memoryOverhead instead")
 
 
-def pin_gpus(addresses: Optional[Sequence[str]], environ: dict | None = None) -> None:
-    """Restrict CUDA to ``addresses`` for this process (must run before vLLM/torch initialise CUDA)."""
-    if addresses is None:
-        return
-    env = os.environ if environ is None else environ
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(addresses)
+def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int) -> Any:
+    """The ResourceProfile of the inference stage: ``tensor_parallel_size`` GPUs per task, so that only that stage
+    asks for GPUs (Spark's stage-level scheduling); None when executors have no GPUs or every task already asks for
+    them (``spark.task.resource.gpu.amount``)."""
+    if not _amount(spark_conf, "spark.executor.resource.gpu.amount") or \
+            _amount(spark_conf, "spark.task.resource.gpu.amount"):
+        return None
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+    cpus = int(_amount(spark_conf, "spark.task.cpus") or 1)
+    requests = TaskResourceRequests().cpus(cpus).resource("gpu", tensor_parallel_size)
+    return ResourceProfileBuilder().require(requests).build
 
 
-def _task_resources() -> dict[str, Any] | None:
+def task_gpus(tensor_parallel_size: int) -> Optional[list[str]]:
+    """The GPU addresses Spark assigned the running task (None outside Spark or without GPU scheduling)."""
     try:
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
-        return ctx.resources() if ctx is not None else None
+        resources = ctx.resources() if ctx is not None else None
     except Exception:  # outside Spark
-        return None
+        resources = None
+    return select_gpus(resources, tensor_parallel_size)
 
 
-def get_engine(spec: EngineSpec) -> tuple[Any, float]:
-    """The worker's engine for ``spec`` and the seconds spent building it now (0.0 when it was cached)."""
-    gpus = select_gpus(_task_resources(), spec.tensor_parallel_size)
-    key = spec.key + (":" + ",".join(gpus) if gpus else "")
-    with _LOCK:
-        engine = _ENGINE.get(key)
-        if engine is not None:
-            return engine, 0.0
-        for old_key in list(_ENGINE):  # settings or GPUs changed: free the old engine's memory first
-            shutdown_engine(_ENGINE.pop(old_key))
-        apply_worker_env()
-        pin_gpus(gpus)
-        t0 = time.monotonic()
-        engine = _build(spec)
-        elapsed = time.monotonic() - t0
-        _ENGINE[key] = engine
-        _STATS["builds"] += 1
-        _STATS["load_seconds"] += elapsed
-        log.info("vLLM engine for %s built in %.1fs (pid %d, gpus %s)", spec.model, elapsed, os.getpid(), gpus)
-        return engine, elapsed
-
-
-def _build(spec: EngineSpec) -> Any:
+def build_engine(spec: EngineSpec) -> Any:
+    """A ``vllm.LLM`` for ``spec`` in this process (the engine service's, see :mod:`~spark_llm.engine_service`)."""
     try:
         from vllm import LLM
     except ImportError as exc:
@@ -199,8 +198,3 @@ def shutdown_engine(engine: Any) -> None:
     import gc
 
     gc.collect()
-
-
-def worker_stats() -> dict[str, Any]:
-    """How many engines this worker process built and how long that took (for tests and metrics)."""
-    return {"pid": os.getpid(), **_STATS}

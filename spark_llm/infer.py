@@ -1,8 +1,8 @@
-"""Inference over whole partitions with the worker's cached vLLM engine, and OpenAI response bodies.
+"""Inference over whole partitions with the engine of the task's GPUs, and OpenAI response bodies.
 
-One ``mapInPandas`` task hands its entire partition to ``LLM.generate`` in one call so vLLM's continuous batching
-keeps the device busy. A request the engine rejects becomes that request's ``engine_error`` row (the failing batch is
-bisected to find it); a dead engine stops the task.
+One ``mapInPandas`` task hands its entire partition to its slot's engine (:mod:`~spark_llm.engine_service`) in one
+call so vLLM's continuous batching keeps the device busy. A request the engine rejects becomes that request's
+``engine_error`` row (the failing batch is bisected to find it); a dead engine fails the task, and Spark retries it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import faults
-from .engine import EngineSpec, apply_worker_env, get_engine
-from .errors import ErrorCode, describe_exception
+from .engine import EngineSpec, task_gpus
+from .engine_service import EngineClient, RequestFailure, engine_for
+from .errors import ErrorCode, truncate
 from .schemas import RESULT_FIELDS
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class InferContext:
     engine: EngineSpec
     served_model_name: str
     batch_id: str
+    idle_timeout_seconds: float
     wave: int = 0
     metrics: Any = None  # a Spark accumulator of per-partition records (see metrics.py), or None
 
@@ -95,7 +97,8 @@ def response_body(kind: str, output: Any, request_id: str, model: str, created: 
 
 # ---- the partition function ------------------------------------------------------------------------------------
 
-def _is_fatal(exc: BaseException) -> bool:
+def is_fatal(exc: BaseException) -> bool:
+    """The engine is dead (vLLM's ``EngineDeadError``): no request can be answered by it any more."""
     try:
         from vllm.v1.engine.exceptions import EngineDeadError
     except ImportError:  # pragma: no cover - other vLLM layouts
@@ -104,7 +107,7 @@ def _is_fatal(exc: BaseException) -> bool:
 
 
 def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence, params: Sequence,
-                       is_fatal: Callable[[BaseException], bool] = _is_fatal) -> list:
+                       is_fatal: Callable[[BaseException], bool] = is_fatal) -> list:
     """Run ``generate`` on all requests at once; if it raises a non-fatal error, bisect to find the request(s)
     responsible. Returns, per request, either its output or the exception it caused."""
     if not prompts:
@@ -136,37 +139,28 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
         return
     pdf = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
     n = len(pdf)
-    apply_worker_env()  # before vLLM's first import in this process: it reads some of it at import time
-    from vllm import SamplingParams
-
-    rows: list[dict] = []
-    prompts, params, index = [], [], []
-    for i in range(n):
-        base = _base_row(pdf, i, ctx)
-        rows.append(base)
-        try:
-            sp = SamplingParams(**json.loads(pdf["sampling_json"].iat[i]))
-        except Exception as exc:
-            base.update(error_code=ErrorCode.INVALID_REQUEST.value,
-                        error_message=f"sampling parameters rejected by the engine: {describe_exception(exc)}")
-            continue
-        prompts.append({"prompt_token_ids": [int(t) for t in pdf["prompt_token_ids"].iat[i]]})
-        params.append(sp)
-        index.append(i)
-
-    engine, load_s = get_engine(ctx.engine)
-    t0 = time.monotonic()
-    results = generate_isolating(lambda p, s: engine.generate(p, s, use_tqdm=False), prompts, params)
-    engine_s = time.monotonic() - t0
-    log.info("partition: %d requests in %.1fs (engine load %.1fs)", len(prompts), engine_s, load_s)
+    rows = [_base_row(pdf, i, ctx) for i in range(n)]
+    requests = [([int(t) for t in pdf["prompt_token_ids"].iat[i]], json.loads(pdf["sampling_json"].iat[i]))
+                for i in range(n)]
+    gpus = task_gpus(ctx.engine.tensor_parallel_size)
+    with engine_for(ctx.engine, gpus, ctx.idle_timeout_seconds) as engine:
+        t0 = time.monotonic()
+        results = engine.generate(requests)
+        engine_s = time.monotonic() - t0
+    log.info("partition: %d requests in %.1fs on engine %s (load %.1fs)", n, engine_s, engine.slot.name,
+             engine.load_seconds)
     faults.maybe_kill_worker(set(pdf["custom_id"]))
     created = int(time.time())
-    for i, res in zip(index, results):
+    for i, res in enumerate(results):
         row = rows[i]
-        if isinstance(res, BaseException):
-            row.update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=describe_exception(res))
+        if isinstance(res, RequestFailure):
+            if res.kind == "invalid":
+                row.update(error_code=ErrorCode.INVALID_REQUEST.value,
+                           error_message=f"sampling parameters rejected by the engine: {res.message}")
+            else:
+                row.update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=truncate(res.message, 1000))
             continue
-        k = json.loads(pdf["sampling_json"].iat[i]).get("logprobs")
+        k = requests[i][1].get("logprobs")
         body = response_body(pdf["kind"].iat[i], res, row["request_id"], ctx.served_model_name, created, k)
         first = body["choices"][0]
         row.update(
@@ -180,7 +174,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     if unanswered:  # the conservation check: every request of the partition has a response or an error
         raise AssertionError(f"{len(unanswered)} of {n} requests got neither a response nor an error")
     if ctx.metrics is not None:
-        ctx.metrics.add([_metrics_record(ctx, pdf, rows, started, load_s, engine_s)])
+        ctx.metrics.add([_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus)])
     out = pd.DataFrame(rows, columns=list(RESULT_FIELDS))
     for col in ("line_number", "prompt_tokens", "completion_tokens", "total_tokens", "created"):
         out[col] = out[col].astype("Int64")
@@ -197,7 +191,9 @@ def _base_row(pdf: Any, i: int, ctx: InferContext) -> dict:
     return row
 
 
-def _metrics_record(ctx: InferContext, pdf: Any, rows: list, started: float, load_s: float, engine_s: float) -> dict:
+def _metrics_record(ctx: InferContext, pdf: Any, rows: list, times: tuple[float, float], engine: EngineClient,
+                    gpus: Optional[list[str]]) -> dict:
+    started, engine_s = times
     ok = [r for r in rows if r["error_code"] is None]
     errors: dict[str, int] = {}
     for r in rows:
@@ -207,6 +203,7 @@ def _metrics_record(ctx: InferContext, pdf: Any, rows: list, started: float, loa
     c_tok = sum(r["completion_tokens"] for r in ok)
     return {"wave": ctx.wave, "partition": int(pdf["_part"].iat[0]) if "_part" in pdf else -1,
             "worker_pid": os.getpid(), "rows": len(rows), "prompt_tokens": p_tok, "completion_tokens": c_tok,
-            "engine_load_seconds": round(load_s, 3), "engine_seconds": round(engine_s, 3),
+            "engine_load_seconds": round(engine.load_seconds, 3), "engine_seconds": round(engine_s, 3),
+            "engine_slot": engine.slot.name, "engine_pid": engine.info.get("pid"), "gpus": ",".join(gpus or []),
             "tokens_per_second": round((p_tok + c_tok) / engine_s, 1) if engine_s > 0 else 0.0,
             "errors_by_code": json.dumps(errors, sort_keys=True), "started_at": started, "finished_at": time.time()}

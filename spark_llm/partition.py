@@ -66,12 +66,13 @@ def num_partitions(total_tokens: int, target: int, slots: int) -> int:
     return max(slots, math.ceil(wanted / slots) * slots)
 
 
-def task_slots(spark: SparkSession, configured: Optional[int] = None) -> int:
-    """Inference tasks that can run at once: GPU engines when Spark schedules GPUs, else the default parallelism."""
+def task_slots(spark: SparkSession, configured: Optional[int] = None, tensor_parallel_size: int = 1) -> int:
+    """Inference tasks that can run at once: GPU engines when Spark schedules GPUs (the inference stage asks for
+    ``tensor_parallel_size`` GPUs per task), else the default parallelism."""
     if configured:
         return configured
     conf = spark.sparkContext.getConf()
-    task_gpus = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
+    task_gpus = float(conf.get("spark.task.resource.gpu.amount", "0") or 0) or tensor_parallel_size
     exec_gpus = float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
     executors = int(conf.get("spark.executor.instances", "0") or 0) or int(
         conf.get("spark.dynamicAllocation.maxExecutors", "0") or 0)

@@ -50,11 +50,12 @@ def waves_of(num_partitions: int, per_wave: int) -> list[Wave]:
 
 def infer_in_waves(run: RunContext, valid: DataFrame) -> dict:
     """Infer every valid request (rows with ``est_tokens``) and commit the results; returns the partition plan."""
-    slots = task_slots(run.spark, run.cfg.num_task_slots)
+    slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
     run.describe("plan partitions")
     assigned, plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots)
     ictx = InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
-                        batch_id=run.batch_id, metrics=run.metrics)
+                        batch_id=run.batch_id, idle_timeout_seconds=run.cfg.engine_idle_timeout_seconds,
+                        metrics=run.metrics)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots)
     current = {"wave": f"0/{len(waves)}"}
     total = sum(plan.requests_per_partition)
@@ -74,7 +75,7 @@ def _run_wave(run: RunContext, assigned: DataFrame, plan: PartitionPlan, wave: W
     """Infer one wave's partitions, stage the results once, check them, commit them to both tables."""
     run.describe(f"infer wave {wave.label}")
     requests = materialize(assigned, wave.first, wave.count).select(*INFER_INPUT)
-    results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA)
+    results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA, profile=run.gpu_profile)
     staging = f"{run.paths.staging}/results"
     try:
         results.write.mode("overwrite").parquet(staging)

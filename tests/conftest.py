@@ -29,12 +29,20 @@ def kill_marker(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def spark(tmp_path_factory, kill_marker):
+def engine_dir(tmp_path_factory) -> Path:
+    """This test run's engine directory (spark_llm.engine_service): its engines and their records."""
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory, kill_marker, engine_dir):
+    from spark_llm.engine_service import ENGINE_DIR_ENV
     from spark_llm.faults import FAULT_ENV
     from spark_llm.session import get_session
 
     # set before Spark starts: local workers inherit the driver's environment
     os.environ[FAULT_ENV] = f"kill_worker_once:{kill_marker}:{KILL_CUSTOM_ID}"
+    os.environ[ENGINE_DIR_ENV] = str(engine_dir)
     warehouse = tmp_path_factory.mktemp("warehouse")
     # local[2, 2]: two task slots, and a failed task is retried once (as on a cluster), for the fault tests
     session = get_session(master="local[2,2]", conf={

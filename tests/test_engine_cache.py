@@ -1,5 +1,5 @@
-"""The engine is built once per Spark Python worker and reused across tasks, jobs and batches; greedy decoding gives
-the same token ids every time."""
+"""One engine per slot (here: the two CPU slots of local[2]), in its own process, reused across tasks, jobs and
+Python workers; greedy decoding gives the same token ids every time. Asserted from the engines' own records."""
 
 from __future__ import annotations
 
@@ -9,42 +9,44 @@ import pytest
 from conftest import engine_settings
 from spark_llm.config import BatchConfig
 from spark_llm.engine import EngineSpec
+from spark_llm.engine_service import read_events
 
 pytestmark = pytest.mark.engine
 
 
 def probe(spec: EngineSpec, prompt_ids: list[int]):
     def run(batches):
-        from vllm import SamplingParams
+        import os
 
-        from spark_llm.engine import get_engine, worker_stats
+        from spark_llm.engine_service import engine_for
 
         for pdf in batches:
-            engine, load_s = get_engine(spec)
-            out = engine.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(max_tokens=6, temperature=0),
-                                  use_tqdm=False)[0]
-            stats = worker_stats()
-            yield pd.DataFrame({"pid": [stats["pid"]], "builds": [stats["builds"]], "engine_id": [id(engine)],
+            with engine_for(spec, None, idle_timeout=0) as engine:
+                [out] = engine.generate([(prompt_ids, {"max_tokens": 6, "temperature": 0})])
+            yield pd.DataFrame({"worker": [os.getpid()], "slot": [engine.slot.name], "engine": [engine.info["pid"]],
                                 "tokens": [",".join(map(str, out.outputs[0].token_ids))], "rows": [len(pdf)]})
     return run
 
 
-def test_one_engine_per_worker_reused_across_tasks_and_jobs(spark, tiny_model):
-    # resolved as a run resolves it, so that the workers reuse the engines the earlier tests built
+def test_one_engine_per_slot_reused_across_tasks_jobs_and_workers(spark, tiny_model, engine_dir):
+    # resolved as a run resolves it, so that the slots' engines from the earlier tests serve it (if any ran)
     spec = EngineSpec.from_config(BatchConfig(**engine_settings(tiny_model)).resolved(max_model_len=512))
-    schema = "pid long, builds long, engine_id long, tokens string, rows long"
+    schema = "worker long, slot string, engine long, tokens string, rows long"
     df = spark.range(0, 8, 1, numPartitions=8)
-    first = df.mapInPandas(probe(spec, [5, 6, 7, 8, 9]), schema).collect()
-    second = df.mapInPandas(probe(spec, [5, 6, 7, 8, 9]), schema).collect()
-    rows = first + second
+    before = [e for e in read_events(engine_dir) if e["key"] == spec.key and e["event"] == "ready"]
+    rows = df.mapInPandas(probe(spec, [5, 6, 7, 8, 9]), schema).collect()
+    rows += df.mapInPandas(probe(spec, [5, 6, 7, 8, 9]), schema).collect()
     assert len(rows) == 16
-    by_pid: dict[int, list] = {}
+    events = read_events(engine_dir)
+    ready = [e for e in events if e["key"] == spec.key and e["event"] == "ready"]
+    # at most one engine per slot was built for these settings in the whole run, and every task of a slot was
+    # answered by that one engine process, whichever Python worker ran the task
+    assert len({e["slot"] for e in ready}) == len(ready) <= 2
+    assert len(ready) - len(before) <= 2 - len(before)
+    by_slot: dict[str, set] = {}
     for r in rows:
-        by_pid.setdefault(r["pid"], []).append((r["builds"], r["engine_id"]))
-    # every worker process built exactly one engine, and all of its tasks used that same object
-    assert all(len(set(v)) == 1 and v[0][0] == 1 for v in by_pid.values()), by_pid
-    # local[2] reuses its Python workers: a few processes served all 16 tasks. (Spark also reaps workers idle for
-    # over a minute, so workers left from earlier tests may have been replaced: up to 2 per job.)
-    assert len(by_pid) <= 4 and max(len(v) for v in by_pid.values()) >= 4, {p: len(v) for p, v in by_pid.items()}
-    # greedy decoding: the same token ids in every task, worker and job
+        by_slot.setdefault(r["slot"], set()).add(r["engine"])
+    assert all(len(pids) == 1 for pids in by_slot.values()), by_slot
+    assert {pid for pids in by_slot.values() for pid in pids} <= {e["pid"] for e in ready}
+    # greedy decoding: the same token ids in every task, slot and job
     assert len({r["tokens"] for r in rows}) == 1 and len(rows[0]["tokens"].split(",")) == 6

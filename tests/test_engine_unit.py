@@ -9,7 +9,7 @@ import pytest
 
 from spark_llm.config import BatchConfig
 from spark_llm.config import ConfigError
-from spark_llm.engine import EngineSpec, check_gpu_settings, pin_gpus, select_gpus
+from spark_llm.engine import EngineSpec, check_gpu_settings, inference_profile, select_gpus
 from spark_llm.errors import EngineStartError
 from spark_llm.infer import generate_isolating
 
@@ -29,12 +29,18 @@ def test_select_gpus_rejects_a_mismatch_with_tensor_parallel_size():
         select_gpus(gpus("0"), 2)
 
 
-def test_pin_gpus_sets_cuda_visible_devices():
-    env = {}
-    pin_gpus(["2", "5"], env)
-    assert env == {"CUDA_VISIBLE_DEVICES": "2,5"}
-    pin_gpus(None, env)
-    assert env == {"CUDA_VISIBLE_DEVICES": "2,5"}
+def test_gpu_slots_are_named_by_their_devices(tmp_path, monkeypatch):
+    from spark_llm.engine_service import ENGINE_DIR_ENV, Slot, hold_slot
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    assert Slot.for_gpus(["1", "0"]) == Slot("gpu-0,1", ("0", "1")) and Slot.for_gpus(["10", "9"]).devices == ("9", "10")
+    with hold_slot(["3"]) as slot:
+        assert slot == Slot("gpu-3", ("3",))
+        with pytest.raises(EngineStartError, match="in use by another Spark task"):
+            with hold_slot(["3"]):
+                pass
+    with hold_slot(None) as a, hold_slot(None) as b:  # without GPUs: the free CPU slots of this executor
+        assert a.name.startswith("cpu-") and a.name.endswith("-0") and b.name.endswith("-1")
 
 
 def test_engine_spec_maps_config_to_vllm_arguments():
@@ -78,7 +84,21 @@ def test_generate_isolating_reraises_fatal_errors():
 def test_gpu_settings_must_give_each_task_one_engines_gpus():
     check_gpu_settings({}, 1)
     check_gpu_settings({"spark.task.resource.gpu.amount": "2"}, 2)
+    check_gpu_settings({"spark.executor.resource.gpu.amount": "8"}, 2)
     with pytest.raises(ConfigError, match="two engines on one GPU"):
         check_gpu_settings({"spark.task.resource.gpu.amount": "0.5"}, 1)
     with pytest.raises(ConfigError, match="tensor_parallel_size is 4"):
         check_gpu_settings({"spark.task.resource.gpu.amount": "1"}, 4)
+    with pytest.raises(ConfigError, match="executors have 2 GPU.*one engine's GPUs must be on one executor"):
+        check_gpu_settings({"spark.executor.resource.gpu.amount": "2"}, 4)
+    with pytest.raises(ConfigError, match="RLIMIT_AS"):
+        check_gpu_settings({"spark.executor.resource.gpu.amount": "1", "spark.executor.pyspark.memory": "4g"}, 1)
+
+
+def test_only_the_inference_stage_asks_for_gpus():
+    assert inference_profile({}, 1) is None
+    assert inference_profile({"spark.executor.resource.gpu.amount": "4", "spark.task.resource.gpu.amount": "1"},
+                             1) is None  # every stage asks already
+    profile = inference_profile({"spark.executor.resource.gpu.amount": "4", "spark.task.cpus": "2"}, 2)
+    tasks = profile.taskResources
+    assert tasks["gpu"].amount == 2 and tasks["cpus"].amount == 2

@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Run a batch on a Spark ``local-cluster`` whose executors report fake GPUs, and print what the engines did.
+
+A drill for GPU scheduling on a machine without GPUs (the tests run it; it also shows the settings a real cluster
+needs): one executor with ``--gpus`` fake GPU addresses (a discovery script that lists them), no
+``spark.task.resource.gpu.amount`` (spark_llm asks for GPUs on the inference stage only), vLLM on the CPU. Prints
+one JSON object: the batch's counts, the per-partition metrics (GPU addresses held, engine slot and process), the
+engine processes' own records (``events.jsonl``) and how many tasks a CPU-only stage ran at once.
+
+    python scripts/fake_gpu_cluster.py --model .cache/tiny-llm --requests 240 --gpus 2 --out /tmp/fake-gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def discovery_script(directory: Path, gpus: int) -> Path:
+    script = directory / "fake_gpus.sh"
+    addresses = ", ".join(f'"{i}"' for i in range(gpus))
+    script.write_text(f"#!/usr/bin/env bash\necho '{{\"name\": \"gpu\", \"addresses\": [{addresses}]}}'\n")
+    script.chmod(0o755)
+    return script
+
+
+def concurrency(spans: list[tuple[float, float]]) -> int:
+    """Most spans open at one moment."""
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    now = most = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def cpu_stage_concurrency(spark, tasks: int) -> int:
+    """A stage without a ResourceProfile: how many of its tasks ran at once."""
+    import pandas as pd
+
+    def sleepy(batches):
+        start = time.time()
+        for _ in batches:
+            pass
+        time.sleep(2.0)
+        yield pd.DataFrame({"start": [start], "end": [time.time()]})
+
+    rows = spark.range(0, tasks, 1, tasks).mapInPandas(sleepy, "start double, end double").collect()
+    return concurrency([(r["start"], r["end"]) for r in rows])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True, help="work directory (input, results, engine directory)")
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--gpus", type=int, default=2, help="fake GPUs of the one executor")
+    p.add_argument("--cores", type=int, default=4, help="executor cores")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    args = p.parse_args(argv)
+    import pyspark
+
+    from spark_llm import BatchConfig, run_batch
+    from spark_llm.engine_service import ENGINE_DIR_ENV, read_events
+    from spark_llm.session import get_session
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engines = out / "engines"
+    engines.mkdir(exist_ok=True)
+    os.environ[ENGINE_DIR_ENV] = str(engines)
+    os.environ.setdefault("SPARK_HOME", os.path.dirname(pyspark.__file__))  # local-cluster launches executors
+    script = discovery_script(out, args.gpus)
+    name = Path(args.model).name
+    with open(out / "in.jsonl", "w") as f:
+        for i in range(args.requests):
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": name, "max_tokens": 2, "temperature": 0,
+                                         "messages": [{"role": "user", "content": f"question {i}"}]}}) + "\n")
+    spark = get_session(master=f"local-cluster[1,{args.cores},2048]", conf={
+        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+        "spark.worker.resource.gpu.amount": str(args.gpus),
+        "spark.worker.resource.gpu.discoveryScript": str(script),
+        "spark.executor.resource.gpu.amount": str(args.gpus),
+        "spark.executor.resource.gpu.discoveryScript": str(script),
+        f"spark.executorEnv.{ENGINE_DIR_ENV}": str(engines),
+    })
+    try:
+        cpu_tasks_at_once = cpu_stage_concurrency(spark, 2 * args.cores)
+        slots = args.gpus // args.tensor_parallel_size
+        result = run_batch(spark, BatchConfig(
+            input=str(out / "in.jsonl"), output_dir=str(out / "results"), overwrite=True, batch_id="fake-gpu",
+            model=args.model, max_model_len=512, max_num_seqs=32, dtype="bfloat16", enforce_eager=True,
+            kv_cache_memory_bytes=64 << 20, tensor_parallel_size=args.tensor_parallel_size, num_task_slots=slots,
+            target_tokens_per_partition=max(1, args.requests * 22 // (8 * slots)), wave_partitions=2 * slots))
+        metrics = [r.asDict() for r in spark.read.format("delta").load(result.batch.metadata["metrics_table"])
+                   .select("partition", "wave", "rows", "gpus", "engine_slot", "engine_pid", "engine_load_seconds",
+                           "started_at", "finished_at").collect()]
+    finally:
+        spark.stop()
+    print(json.dumps({
+        "completed": result.completed, "failed": result.failed, "total": result.total,
+        "output_lines": len(Path(result.output_file).read_text().splitlines()),
+        "partitions": result.batch.partition_plan["num_partitions"], "cpu_tasks_at_once": cpu_tasks_at_once,
+        "inference_tasks_at_once": concurrency([(m["started_at"].timestamp(), m["finished_at"].timestamp())
+                                                for m in metrics]),
+        "metrics": [{k: v for k, v in m.items() if k not in ("started_at", "finished_at")} for m in metrics],
+        "events": read_events(engines),
+    }, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

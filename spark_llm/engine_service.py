@@ -1,0 +1,482 @@
+"""One vLLM engine per device slot of a host, in a process of its own, for the life of the executor.
+
+Spark hands a Python worker different GPUs from task to task, recycles idle workers, and a CUDA context cannot move
+to another device once made; an engine that lives in the worker would be rebuilt on most tasks and could end up
+twice on one GPU. So the engine lives beside the workers:
+
+- A **slot** is what a task owns while it runs: the GPU addresses Spark assigned it (``gpu-0``, ``gpu-2,3`` for a
+  tensor-parallel group), or, without GPU scheduling, the first free ``cpu-N`` of the host. The task holds the slot's
+  file lock for as long as it uses the engine, so one task at a time talks to a slot's engine.
+- An **engine server** (``python -m spark_llm.engine_service``) serves one slot: started by the first task that needs
+  it, in a new session (it outlives Python worker recycling) and a clean process (CUDA and vLLM's tensor-parallel
+  workers start from nothing; ``spawn`` for vLLM's own processes), with ``CUDA_VISIBLE_DEVICES`` set to the slot's
+  devices. It holds a file lock on each of its devices for its whole life, so two engines are never on one device:
+  a server for other settings or another grouping of those devices is asked to stop, and waited for, first.
+- Tasks send token ids and sampling settings over a Unix socket and get plain outputs back; a request the engine
+  rejects is isolated there (:func:`~spark_llm.infer.generate_isolating`) and comes back as that request's error.
+- A server stops when the executor that started it is gone, after ``engine_idle_timeout_seconds`` without requests,
+  when asked, or when its engine dies. It writes what it does to ``events.jsonl`` in the engine directory (one JSON
+  line per start, ready and stop), which the tests read as the engine's own records.
+
+The engine directory is per host: ``SPARK_LLM_ENGINE_DIR``, default ``<tmp>/spark_llm-engines-<uid>``. Where GPU
+addresses are container-relative (YARN, Kubernetes), each container has its own tmp or should set its own directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from .errors import EngineStartError
+
+log = logging.getLogger(__name__)
+
+ENGINE_DIR_ENV = "SPARK_LLM_ENGINE_DIR"
+_START_TIMEOUT_S = 1800.0   # an 8B model with CUDA graphs takes minutes; a 70B one longer
+_STOP_TIMEOUT_S = 120.0
+
+
+def engine_dir() -> Path:
+    path = Path(os.environ.get(ENGINE_DIR_ENV) or Path(tempfile.gettempdir()) / f"spark_llm-engines-{os.getuid()}")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+# ---- what crosses the socket: plain, picklable, no vLLM needed to read it ------------------------------------
+
+@dataclass
+class TokenLogprob:
+    logprob: float
+    rank: Optional[int]
+    decoded_token: Optional[str]
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]
+    logprobs: Optional[list[dict[int, TokenLogprob]]] = None
+
+
+@dataclass
+class Output:
+    """One request's answer, shaped like vLLM's ``RequestOutput`` as far as the response bodies read it."""
+
+    prompt_token_ids: list[int]
+    outputs: list[Choice]
+
+
+@dataclass
+class RequestFailure:
+    """Why one request got no output: ``invalid`` sampling settings, or an ``engine`` error on this request."""
+
+    kind: str
+    message: str
+
+
+def _plain(out: Any) -> Output:
+    def logprobs(c: Any) -> Optional[list[dict[int, TokenLogprob]]]:
+        if c.logprobs is None:
+            return None
+        return [{int(t): TokenLogprob(float(lp.logprob), lp.rank, lp.decoded_token) for t, lp in pos.items()}
+                for pos in c.logprobs]
+
+    return Output(prompt_token_ids=list(out.prompt_token_ids or []),
+                  outputs=[Choice(c.index, c.text, list(c.token_ids), c.finish_reason, logprobs(c))
+                           for c in out.outputs])
+
+
+# ---- slots ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    devices: tuple[str, ...] = ()
+
+    @classmethod
+    def for_gpus(cls, addresses: Sequence[str]) -> "Slot":
+        devices = tuple(sorted(addresses, key=lambda a: (len(a), a)))
+        return cls("gpu-" + ",".join(devices), devices)
+
+    def path(self, suffix: str) -> Path:
+        return engine_dir() / f"{self.name}{suffix}"
+
+
+def _try_lock(path: Path) -> Optional[int]:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+@contextlib.contextmanager
+def hold_slot(gpus: Optional[Sequence[str]]) -> Iterator[Slot]:
+    """The slot of this task, held (file lock) until the block ends: its GPUs' slot, else a free ``cpu-N``."""
+    if gpus:
+        slot = Slot.for_gpus(gpus)
+        fd = _try_lock(slot.path(".slot.lock"))
+        if fd is None:
+            raise EngineStartError(
+                f"GPU(s) {','.join(slot.devices)} of this host are in use by another Spark task; two executors on one "
+                f"host must not be given the same GPU addresses (check the discovery script and "
+                f"spark.worker.resource.gpu.* / the resource manager's GPU isolation)")
+    else:  # per executor: executors sharing a host never share a CPU engine
+        n, jvm = 0, executor_pid()
+        while (fd := _try_lock(Slot(f"cpu-{jvm}-{n}").path(".slot.lock"))) is None:
+            n += 1
+        slot = Slot(f"cpu-{jvm}-{n}")
+    try:
+        yield slot
+    finally:
+        os.close(fd)
+
+
+# ---- the client: a task's view of its slot's engine ----------------------------------------------------------
+
+@dataclass
+class EngineClient:
+    slot: Slot
+    info: dict              #: the server's info: pid, key, devices, load_seconds
+    started_here: bool      #: this task started the server (and so waited for its load_seconds)
+    _conn: Any = field(repr=False, default=None)
+
+    @property
+    def load_seconds(self) -> float:
+        return float(self.info.get("load_seconds", 0.0)) if self.started_here else 0.0
+
+    def generate(self, requests: list[tuple[list[int], dict]]) -> list[Output | RequestFailure]:
+        """One result per (prompt token ids, SamplingParams keyword arguments), in order."""
+        return self._call("generate", requests)
+
+    def _call(self, op: str, *args: Any) -> Any:
+        try:
+            self._conn.send((op, *args))
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(f"the engine process of slot {self.slot.name} (pid {self.info.get('pid')}) died "
+                               f"during a call ({type(exc).__name__}); see {self.slot.path('.log')}") from None
+        if status != "ok":
+            raise RuntimeError(f"engine of slot {self.slot.name}: {value}")
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._conn.close()
+
+
+def _read_info(slot: Slot) -> Optional[dict]:
+    try:
+        info = json.loads(slot.path(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if _alive(info.get("pid")) else None
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie (exited, not yet reaped) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _connect(slot: Slot, info: dict) -> Any:
+    from multiprocessing.connection import Client
+
+    return Client(str(slot.path(".sock")), family="AF_UNIX", authkey=info["authkey"].encode())
+
+
+@contextlib.contextmanager
+def engine_for(spec: Any, gpus: Optional[Sequence[str]], idle_timeout: float) -> Iterator[EngineClient]:
+    """The engine of this task's slot for ``spec`` (an :class:`~spark_llm.engine.EngineSpec`), started if needed
+    (stopping whatever else holds the slot's devices first); the slot is held until the block ends."""
+    with hold_slot(gpus) as slot:
+        info = _read_info(slot)
+        conn = None
+        if info is not None and info.get("key") == spec.key:
+            try:
+                conn = _connect(slot, info)
+            except Exception:  # on its way out (its executor just ended): start a fresh one
+                conn = None
+        started = conn is None
+        if started:
+            _stop_servers_on(slot)
+            info = _start_server(slot, spec, idle_timeout)
+            conn = _connect(slot, info)
+        client = EngineClient(slot, info, started, conn)
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+def _stop_servers_on(slot: Slot) -> None:
+    """Stop every live server of this slot or of any slot sharing one of its devices, and wait until they are
+    gone (they release their device locks when their process ends)."""
+    for info_file in engine_dir().glob("*.json"):
+        info = _read_info(Slot(info_file.stem))
+        other = Slot(info_file.stem, tuple((info or {}).get("devices") or ()))
+        if info is None or not (other.name == slot.name or set(other.devices) & set(slot.devices)):
+            continue
+        log.info("stopping engine %s (pid %d) to free slot %s", other.name, info["pid"], slot.name)
+        with contextlib.suppress(Exception):
+            conn = _connect(other, info)
+            conn.send(("shutdown",))
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        while _alive(info["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(info["pid"]):
+            os.kill(info["pid"], signal.SIGKILL)
+
+
+def executor_pid() -> int:
+    """The JVM this Python worker serves (Linux: the nearest ``java`` ancestor); else the parent process."""
+    pid = os.getpid()
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for _ in range(16):
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if pid <= 1:
+                break
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "java":
+                return pid
+    return os.getppid()
+
+
+def _start_server(slot: Slot, spec: Any, idle_timeout: float) -> dict:
+    from .engine import WORKER_ENV_DEFAULTS
+
+    for suffix in (".json", ".error", ".sock"):
+        with contextlib.suppress(FileNotFoundError):
+            slot.path(suffix).unlink()
+    spec_file = slot.path(".spec")
+    spec_file.write_text(json.dumps(spec.settings, default=str))
+    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()},
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if slot.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.devices)
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    cmd = [sys.executable, "-m", "spark_llm.engine_service", "--slot", slot.name, "--devices", ",".join(slot.devices),
+           "--spec-file", str(spec_file), "--key", spec.key, "--watch-pid", str(executor_pid()),
+           "--idle-timeout", str(idle_timeout or 0)]
+    with open(slot.path(".log"), "ab") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        info = _read_info(slot)
+        if info is not None and info.get("pid") == proc.pid:
+            return info
+        if proc.poll() is not None:
+            try:
+                reason = slot.path(".error").read_text().strip()
+            except OSError:
+                reason = f"the engine process exited with code {proc.returncode}; see {slot.path('.log')}"
+            raise EngineStartError(reason)
+        time.sleep(0.1)
+    proc.kill()
+    raise EngineStartError(f"the engine of slot {slot.name} did not start within {_START_TIMEOUT_S:.0f}s; see "
+                           f"{slot.path('.log')}")
+
+
+# ---- the server ----------------------------------------------------------------------------------------------
+
+def _event(**record: Any) -> None:
+    line = json.dumps({"time": time.time(), **record}) + "\n"
+    with open(engine_dir() / "events.jsonl", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(line)
+
+
+class _Server:
+    def __init__(self, slot: Slot, key: str, watch_pid: int, idle_timeout: float):
+        self.slot, self.key, self.watch_pid, self.idle_timeout = slot, key, watch_pid, idle_timeout
+        self.engine: Any = None
+        self.busy = False
+        self.last_used = time.monotonic()
+        self.lock = threading.Lock()
+
+    def stop(self, reason: str, code: int = 0) -> None:
+        """Leave: remove our files, record why, release the devices (the process ends)."""
+        with contextlib.suppress(Exception):
+            info = json.loads(self.slot.path(".json").read_text())
+            if info.get("pid") == os.getpid():
+                self.slot.path(".json").unlink()
+                self.slot.path(".sock").unlink()
+        _event(event="stop", slot=self.slot.name, devices=list(self.slot.devices), pid=os.getpid(), key=self.key,
+               reason=reason)
+        if self.engine is not None:
+            from .engine import shutdown_engine
+
+            shutdown_engine(self.engine)
+        os._exit(code)
+
+    def watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if not _alive(self.watch_pid):
+                with self.lock:
+                    self.stop("executor gone")
+            idle = time.monotonic() - self.last_used
+            if self.idle_timeout and not self.busy and idle > self.idle_timeout:
+                with self.lock:
+                    self.stop(f"idle for {idle:.0f}s")
+
+    def generate(self, requests: list[tuple[list[int], dict]]) -> list:
+        from vllm import SamplingParams
+
+        from .infer import generate_isolating, is_fatal
+
+        results: list = [None] * len(requests)
+        prompts, params, index = [], [], []
+        for i, (ids, sampling) in enumerate(requests):
+            try:
+                params.append(SamplingParams(**sampling))
+            except Exception as exc:
+                results[i] = RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
+                continue
+            prompts.append({"prompt_token_ids": ids})
+            index.append(i)
+        outs = generate_isolating(lambda p, s: self.engine.generate(p, s, use_tqdm=False), prompts, params)
+        for i, out in zip(index, outs):
+            if isinstance(out, BaseException):
+                if is_fatal(out):
+                    raise out
+                results[i] = RequestFailure("engine", f"{type(out).__name__}: {out}")
+            else:
+                results[i] = _plain(out)
+        return results
+
+    def serve_connection(self, conn: Any) -> None:
+        try:
+            self.handle(conn)
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def handle(self, conn: Any) -> None:
+        from .infer import is_fatal
+
+        while True:
+            try:
+                op, *args = conn.recv()
+            except (EOFError, OSError):
+                return
+            if op == "shutdown":
+                with contextlib.suppress(Exception):
+                    conn.send(("ok", None))
+                with self.lock:
+                    self.stop("asked to stop")
+            with self.lock:
+                self.busy = True
+                try:
+                    conn.send(("ok", self.generate(*args)) if op == "generate" else ("error", f"unknown op {op!r}"))
+                except Exception as exc:
+                    fatal = is_fatal(exc)
+                    with contextlib.suppress(Exception):
+                        conn.send(("error", f"{type(exc).__name__}: {exc}" + (" (the engine is dead)" if fatal else "")))
+                    if fatal:
+                        self.stop(f"engine dead: {exc}", code=1)
+                finally:
+                    self.busy = False
+                    self.last_used = time.monotonic()
+
+
+def serve(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m spark_llm.engine_service")
+    p.add_argument("--slot", required=True)
+    p.add_argument("--devices", default="")
+    p.add_argument("--spec-file", required=True)
+    p.add_argument("--key", required=True)
+    p.add_argument("--watch-pid", type=int, required=True)
+    p.add_argument("--idle-timeout", type=float, default=0.0)
+    args = p.parse_args(argv)
+    slot = Slot(args.slot, tuple(d for d in args.devices.split(",") if d))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
+    server = _Server(slot, args.key, args.watch_pid, args.idle_timeout)
+    device_locks = []
+    for device in slot.devices:  # held until the process ends: never two engines on one device
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        while (fd := _try_lock(engine_dir() / f"device-{device}.lock")) is None:
+            if time.monotonic() > deadline:
+                slot.path(".error").write_text(f"GPU {device} is still held by another engine process after "
+                                               f"{_STOP_TIMEOUT_S:.0f}s; see {engine_dir()}")
+                server.stop("device busy", code=1)
+            time.sleep(0.2)
+        device_locks.append(fd)
+    _event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
+    threading.Thread(target=server.watch, name="watch", daemon=True).start()
+
+    from .engine import EngineSpec, build_engine
+
+    spec = EngineSpec(settings=json.loads(Path(args.spec_file).read_text()))
+    t0 = time.monotonic()
+    try:
+        server.engine = build_engine(spec)
+    except EngineStartError as exc:
+        slot.path(".error").write_text(str(exc))
+        server.stop("engine could not start", code=1)
+    load_s = time.monotonic() - t0
+
+    from multiprocessing.connection import Listener
+
+    authkey = os.urandom(16).hex()
+    with contextlib.suppress(FileNotFoundError):
+        slot.path(".sock").unlink()
+    listener = Listener(str(slot.path(".sock")), family="AF_UNIX", authkey=authkey.encode())
+    info = {"pid": os.getpid(), "slot": slot.name, "devices": list(slot.devices), "key": args.key,
+            "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time()}
+    tmp = slot.path(".json.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, slot.path(".json"))
+    _event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
+           load_seconds=round(load_s, 3))
+    log.info("engine for slot %s ready in %.1fs", slot.name, load_s)
+    while True:
+        try:
+            conn = listener.accept()
+        except Exception:  # a client that failed authentication or vanished
+            continue
+        server.last_used = time.monotonic()
+        # a thread per connection, so that a stop request is heard while a task is connected; engine calls are
+        # serialised by the server's lock
+        threading.Thread(target=server.serve_connection, args=(conn,), daemon=True).start()
+
+
+def read_events(directory: Optional[Path] = None) -> list[dict]:
+    """The servers' records (``events.jsonl``) of an engine directory."""
+    path = (directory or engine_dir()) / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+if __name__ == "__main__":
+    # run from the imported module, not from __main__: what crosses the socket must pickle as spark_llm's classes
+    from spark_llm import engine_service
+
+    sys.exit(engine_service.serve())
+

@@ -1,0 +1,67 @@
+"""GPU scheduling on a real multi-process cluster without GPUs: Spark's local-cluster master, one executor whose
+discovery script reports two fake GPUs (scripts/fake_gpu_cluster.py), the engines running vLLM on the CPU. Asserted
+from the engine processes' own records and the metrics table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.engine
+
+GPUS = 2
+REQUESTS = 240
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fake-gpu-cluster")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "fake_gpu_cluster.py"), "--model", tiny_model,
+                           "--out", str(out), "--requests", str(REQUESTS), "--gpus", str(GPUS)],
+                          capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_line_once_on_the_fake_gpu_cluster(cluster):
+    assert (cluster["completed"], cluster["failed"], cluster["output_lines"]) == (REQUESTS, 0, REQUESTS)
+    assert cluster["partitions"] >= 8 and sum(m["rows"] for m in cluster["metrics"]) == REQUESTS
+    assert len({m["wave"] for m in cluster["metrics"]}) >= 2  # several waves, engines kept between them
+
+
+def test_no_gpu_ever_has_two_live_engines(cluster):
+    spans: dict[str, list[tuple[float, float]]] = {}
+    stops = {e["pid"]: e["time"] for e in cluster["events"] if e["event"] == "stop"}
+    for e in cluster["events"]:
+        if e["event"] == "start":
+            for device in e["devices"]:
+                spans.setdefault(device, []).append((e["time"], stops.get(e["pid"], float("inf"))))
+    assert set(spans) == {str(i) for i in range(GPUS)}
+    for device, lives in spans.items():
+        lives.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(lives, lives[1:])), (device, lives)
+
+
+def test_each_gpu_engine_is_built_once_for_the_batch(cluster):
+    ready = [e for e in cluster["events"] if e["event"] == "ready"]
+    assert sorted(d for e in ready for d in e["devices"]) == [str(i) for i in range(GPUS)]
+    loads = [m for m in cluster["metrics"] if m["engine_load_seconds"] > 0]
+    assert len(loads) <= GPUS  # only the tasks that started an engine waited for it
+
+
+def test_a_partition_is_answered_by_the_engine_of_the_gpus_its_task_held(cluster):
+    devices_of = {e["pid"]: e["devices"] for e in cluster["events"] if e["event"] == "ready"}
+    for m in cluster["metrics"]:
+        assert m["gpus"] and m["engine_slot"] == f"gpu-{m['gpus']}", m
+        assert devices_of[m["engine_pid"]] == m["gpus"].split(","), m
+    assert {m["gpus"] for m in cluster["metrics"]} == {str(i) for i in range(GPUS)}
+
+
+def test_only_inference_asks_for_gpus(cluster):
+    assert cluster["cpu_tasks_at_once"] > GPUS  # reading, validation, counting: every core
+    assert cluster["inference_tasks_at_once"] <= GPUS  # inference: one task per GPU
