@@ -64,6 +64,11 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=2, help="fake GPUs of the one executor")
     p.add_argument("--cores", type=int, default=4, help="executor cores")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--task-gpu-amount", type=int, default=None,
+                   help="set spark.task.resource.gpu.amount for every stage (default: unset, so that spark_llm asks "
+                        "for GPUs on the inference stage only)")
+    p.add_argument("--target-tokens-per-partition", type=int, default=None,
+                   help="default: about 8 partitions per engine")
     args = p.parse_args(argv)
     import pyspark
 
@@ -84,22 +89,31 @@ def main(argv=None) -> int:
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": {"model": name, "max_tokens": 2, "temperature": 0,
                                          "messages": [{"role": "user", "content": f"question {i}"}]}}) + "\n")
-    spark = get_session(master=f"local-cluster[1,{args.cores},2048]", conf={
+    conf = {
         "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
         "spark.worker.resource.gpu.amount": str(args.gpus),
         "spark.worker.resource.gpu.discoveryScript": str(script),
         "spark.executor.resource.gpu.amount": str(args.gpus),
         "spark.executor.resource.gpu.discoveryScript": str(script),
         f"spark.executorEnv.{ENGINE_DIR_ENV}": str(engines),
-    })
+    }
+    if args.task_gpu_amount:
+        conf["spark.task.resource.gpu.amount"] = str(args.task_gpu_amount)
+    if args.tensor_parallel_size > 1:  # the CPU stand-in for a GPU group: one core per tensor-parallel rank
+        cpus = os.cpu_count() or 1
+        conf["spark.executorEnv.VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(rank % cpus) for rank in range(args.tensor_parallel_size))
+    spark = get_session(master=f"local-cluster[1,{args.cores},2048]", conf=conf)
     try:
-        cpu_tasks_at_once = cpu_stage_concurrency(spark, 2 * args.cores)
+        # (with a task GPU amount every stage runs one task per GPU group: nothing to measure)
+        cpu_tasks_at_once = None if args.task_gpu_amount else cpu_stage_concurrency(spark, 2 * args.cores)
         slots = args.gpus // args.tensor_parallel_size
+        target = args.target_tokens_per_partition or max(1, args.requests * 22 // (8 * slots))
         result = run_batch(spark, BatchConfig(
             input=str(out / "in.jsonl"), output_dir=str(out / "results"), overwrite=True, batch_id="fake-gpu",
             model=args.model, max_model_len=512, max_num_seqs=32, dtype="bfloat16", enforce_eager=True,
             kv_cache_memory_bytes=64 << 20, tensor_parallel_size=args.tensor_parallel_size, num_task_slots=slots,
-            target_tokens_per_partition=max(1, args.requests * 22 // (8 * slots)), wave_partitions=2 * slots))
+            target_tokens_per_partition=target, wave_partitions=2 * slots))
         metrics = [r.asDict() for r in spark.read.format("delta").load(result.batch.metadata["metrics_table"])
                    .select("partition", "wave", "rows", "gpus", "engine_slot", "engine_pid", "engine_load_seconds",
                            "started_at", "finished_at").collect()]
@@ -109,6 +123,7 @@ def main(argv=None) -> int:
         "completed": result.completed, "failed": result.failed, "total": result.total,
         "output_lines": len(Path(result.output_file).read_text().splitlines()),
         "partitions": result.batch.partition_plan["num_partitions"], "cpu_tasks_at_once": cpu_tasks_at_once,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "inference_tasks_at_once": concurrency([(m["started_at"].timestamp(), m["finished_at"].timestamp())
                                                 for m in metrics]),
         "metrics": [{k: v for k, v in m.items() if k not in ("started_at", "finished_at")} for m in metrics],

@@ -1,6 +1,8 @@
 """GPU scheduling on a real multi-process cluster without GPUs: Spark's local-cluster master, one executor whose
 discovery script reports two fake GPUs (scripts/fake_gpu_cluster.py), the engines running vLLM on the CPU. Asserted
-from the engine processes' own records and the metrics table."""
+from the engine processes' own records and the metrics table: with one GPU per engine (GPUs asked for by the
+inference stage only), and with a tensor-parallel group of two (spark.task.resource.gpu.amount=2, the engine a real
+TP=2 vLLM on two CPU cores)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,17 @@ GPUS = 2
 REQUESTS = 240
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fake-gpu-cluster")
+def run_cluster(tiny_model, out, *args: str) -> dict:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "fake_gpu_cluster.py"), "--model", tiny_model,
-                           "--out", str(out), "--requests", str(REQUESTS), "--gpus", str(GPUS)],
+                           "--out", str(out), "--gpus", str(GPUS), *args],
                           capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory) -> dict:
+    return run_cluster(tiny_model, tmp_path_factory.mktemp("fake-gpu-cluster"), "--requests", str(REQUESTS))
 
 
 def test_every_line_once_on_the_fake_gpu_cluster(cluster):
@@ -65,3 +70,12 @@ def test_a_partition_is_answered_by_the_engine_of_the_gpus_its_task_held(cluster
 def test_only_inference_asks_for_gpus(cluster):
     assert cluster["cpu_tasks_at_once"] > GPUS  # reading, validation, counting: every core
     assert cluster["inference_tasks_at_once"] <= GPUS  # inference: one task per GPU
+
+
+def test_a_tensor_parallel_group_gets_one_engine_on_all_its_gpus(tiny_model, tmp_path):
+    group = run_cluster(tiny_model, tmp_path, "--requests", "32", "--tensor-parallel-size", "2",
+                        "--task-gpu-amount", "2", "--target-tokens-per-partition", "400")
+    assert (group["completed"], group["failed"], group["output_lines"]) == (32, 0, 32)
+    ready = [e for e in group["events"] if e["event"] == "ready"]
+    assert [(e["slot"], e["devices"]) for e in ready] == [("gpu-0,1", ["0", "1"])]
+    assert {(m["gpus"], m["engine_pid"]) for m in group["metrics"]} == {("0,1", ready[0]["pid"])}
