@@ -13,7 +13,8 @@ Importing this package does not import vLLM or torch.
 from .config import BatchConfig, ConfigError
 from .errors import EngineStartError, ErrorCode
 
-__all__ = ["BatchConfig", "BatchResult", "ConfigError", "EngineStartError", "ErrorCode", "run_batch"]
+__all__ = ["BatchConfig", "BatchPlan", "BatchResult", "ConfigError", "EngineStartError", "ErrorCode", "plan_batch",
+           "run_batch"]
 __version__ = "0.1.0"
 
 
@@ -26,9 +27,22 @@ def run_batch(spark, config):  # noqa: D103 - documented in pipeline.run_batch
 run_batch.__doc__ = "Run one batch end to end; see spark_llm.pipeline.run_batch."
 
 
+def plan_batch(spark, config, tokens_per_second=None):  # noqa: D103 - documented in plan.plan_batch
+    from .plan import plan_batch as _plan
+
+    return _plan(spark, config, tokens_per_second)
+
+
+plan_batch.__doc__ = "Dry run of one batch (no engine, nothing written); see spark_llm.plan.plan_batch."
+
+
 def __getattr__(name):
     if name == "BatchResult":
         from .batch import BatchResult
 
         return BatchResult
+    if name == "BatchPlan":
+        from .plan import BatchPlan
+
+        return BatchPlan
     raise AttributeError(name)

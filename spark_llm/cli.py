@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run one batch. Settings: defaults < --config YAML < environment "
                                      "(MODEL_PATH, ...) < flags.")
     add_run_arguments(run)
+    plan = sub.add_parser("plan", help="dry run: read, validate and count tokens; no engine, nothing written",
+                          description="Plan one batch: requests, error rows by code, prompt and maximum output "
+                                      "tokens, partitions and waves, and an engine-time estimate. Loads no engine and "
+                                      "writes nothing. Takes the same settings as run.")
+    add_run_arguments(plan)
+    plan.add_argument("--tokens-per-second", type=float, default=None,
+                      help="prompt + generated tokens per second of one engine, for the time estimate (default: "
+                           "measured by earlier runs in the output's metrics table, if any)")
     return parser
 
 
@@ -69,23 +77,32 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    """``spark-llm run`` and ``spark-llm plan``: exit 0 done, 2 bad settings, 3 the engine could not start."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {field: getattr(args, field) for field in BatchConfig.model_fields}
+    planning = getattr(args, "command", "run") == "plan"
     try:
         config = BatchConfig.load(args.config, **overrides)
-        config.require_ready()
+        if not planning:
+            config.require_ready()
         spark_conf = spark_conf_from_yaml(args.config)
     except ConfigError as exc:
         print(f"spark-llm: error: {exc}", file=sys.stderr)
         return 2
 
     from .errors import EngineStartError
-    from .pipeline import run_batch
     from .session import get_session
 
     spark = get_session(master=args.master, conf=spark_conf)
     try:
+        if planning:
+            from .plan import plan_batch
+
+            print(plan_batch(spark, config, args.tokens_per_second).summary())
+            return 0
+        from .pipeline import run_batch
+
         result = run_batch(spark, config)
     except ConfigError as exc:
         print(f"spark-llm: error: {exc}", file=sys.stderr)
@@ -98,10 +115,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "run":
-        return run_from_args(args)
-    return 2  # pragma: no cover - argparse enforces the sub-command
+    return run_from_args(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover

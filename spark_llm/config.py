@@ -185,6 +185,11 @@ class BatchConfig(BaseModel):
         "between tasks and batches) stops after this long without requests, freeing its GPUs; the next batch loads "
         "it again. 0 keeps it for the executor's whole life.",
         json_schema_extra=group("model and engine"))
+    engine_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="vLLM's log level in the engine processes (VLLM_LOGGING_LEVEL), whose logs go to "
+        "<engine dir>/<slot>.log, not to the executor logs. INFO shows vLLM's configuration dumps and kernel "
+        "choices.",
+        json_schema_extra=group("model and engine"))
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments passed verbatim to vllm.LLM (e.g. "
         "quantization, swap_space). Takes precedence over the fields above.",

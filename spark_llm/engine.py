@@ -21,9 +21,9 @@ from .errors import EngineStartError
 
 log = logging.getLogger(__name__)
 
-#: Environment vLLM needs inside Spark's Python workers (single process, no hub access, loopback host). Applied by
-#: :func:`apply_worker_env` before vLLM is imported on an executor; local sessions (tests, benchmarks) apply it to
-#: the driver's environment before Spark starts, so the workers inherit it.
+#: Environment of the engine processes (engine core in-process, no hub access, loopback host): given to each engine
+#: process at its start where the executor's environment does not say otherwise (engine_service); local sessions
+#: (tests, benchmarks) also apply it to the driver's environment before Spark starts, so local workers inherit it.
 WORKER_ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "HF_HUB_OFFLINE": "1",

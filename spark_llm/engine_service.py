@@ -101,6 +101,16 @@ def _plain(out: Any) -> Output:
                            for c in out.outputs])
 
 
+# ---- settings of the engine processes (not of vLLM's engine: they do not make a new engine) -------------------
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """The config's settings of the same names (:func:`~spark_llm.config.config_view`)."""
+
+    engine_idle_timeout_seconds: float
+    engine_log_level: str
+
+
 # ---- slots ---------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -211,7 +221,7 @@ def _connect(slot: Slot, info: dict) -> Any:
 
 
 @contextlib.contextmanager
-def engine_for(spec: Any, gpus: Optional[Sequence[str]], idle_timeout: float) -> Iterator[EngineClient]:
+def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSettings) -> Iterator[EngineClient]:
     """The engine of this task's slot for ``spec`` (an :class:`~spark_llm.engine.EngineSpec`), started if needed
     (stopping whatever else holds the slot's devices first); the slot is held until the block ends."""
     with hold_slot(gpus) as slot:
@@ -225,7 +235,7 @@ def engine_for(spec: Any, gpus: Optional[Sequence[str]], idle_timeout: float) ->
         started = conn is None
         if started:
             _stop_servers_on(slot)
-            info = _start_server(slot, spec, idle_timeout)
+            info = _start_server(slot, spec, process)
             conn = _connect(slot, info)
         client = EngineClient(slot, info, started, conn)
         try:
@@ -266,7 +276,7 @@ def executor_pid() -> int:
     return os.getppid()
 
 
-def _start_server(slot: Slot, spec: Any, idle_timeout: float) -> dict:
+def _start_server(slot: Slot, spec: Any, process: ProcessSettings) -> dict:
     from .engine import WORKER_ENV_DEFAULTS
 
     for suffix in (".json", ".error", ".sock"):
@@ -275,13 +285,13 @@ def _start_server(slot: Slot, spec: Any, idle_timeout: float) -> dict:
     spec_file = slot.path(".spec")
     spec_file.write_text(json.dumps(spec.settings, default=str))
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()},
-           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_LOGGING_LEVEL": process.engine_log_level}
     if slot.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.devices)
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     cmd = [sys.executable, "-m", "spark_llm.engine_service", "--slot", slot.name, "--devices", ",".join(slot.devices),
            "--spec-file", str(spec_file), "--key", spec.key, "--watch-pid", str(executor_pid()),
-           "--idle-timeout", str(idle_timeout or 0)]
+           "--idle-timeout", str(process.engine_idle_timeout_seconds or 0)]
     with open(slot.path(".log"), "ab") as logf:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import faults
 from .engine import EngineSpec, task_gpus
-from .engine_service import EngineClient, RequestFailure, engine_for
+from .engine_service import EngineClient, ProcessSettings, RequestFailure, engine_for
 from .errors import ErrorCode, truncate
 from .schemas import RESULT_FIELDS
 
@@ -28,7 +28,7 @@ class InferContext:
     engine: EngineSpec
     served_model_name: str
     batch_id: str
-    idle_timeout_seconds: float
+    process: ProcessSettings
     wave: int = 0
     metrics: Any = None  # a Spark accumulator of per-partition records (see metrics.py), or None
 
@@ -143,7 +143,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     requests = [([int(t) for t in pdf["prompt_token_ids"].iat[i]], json.loads(pdf["sampling_json"].iat[i]))
                 for i in range(n)]
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
-    with engine_for(ctx.engine, gpus, ctx.idle_timeout_seconds) as engine:
+    with engine_for(ctx.engine, gpus, ctx.process) as engine:
         t0 = time.monotonic()
         results = engine.generate(requests)
         engine_s = time.monotonic() - t0

@@ -16,7 +16,9 @@ from pyspark.sql import DataFrame
 
 from . import faults, storage, write
 from .context import RunContext
+from .config import config_view
 from .engine import EngineSpec
+from .engine_service import ProcessSettings
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition
 from .metrics import ProgressReporter, progress_line
@@ -54,7 +56,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame) -> dict:
     run.describe("plan partitions")
     assigned, plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots)
     ictx = InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
-                        batch_id=run.batch_id, idle_timeout_seconds=run.cfg.engine_idle_timeout_seconds,
+                        batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg),
                         metrics=run.metrics)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots)
     current = {"wave": f"0/{len(waves)}"}

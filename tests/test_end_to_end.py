@@ -213,3 +213,24 @@ def test_worker_killed_mid_partition_is_retried_exactly_once(spark, run, kill_ma
     killed = outputs_df(spark, result).where(F.col("custom_id") == KILL_CUSTOM_ID).collect()
     assert len(killed) == 1 and killed[0]["completion_tokens"] == 2
     assert Path(result.output_file).read_text().count(f'"custom_id":"{KILL_CUSTOM_ID}"') == 1
+
+
+def test_dry_run_plans_the_same_batch_without_an_engine_or_writes(spark, run, tiny_model, tmp_path, engine_dir):
+    from spark_llm import plan_batch
+    from spark_llm.engine_service import read_events
+
+    result, expected, root = run
+    events = len(read_events(engine_dir))
+    untouched = tmp_path / "never-written"
+    plan = plan_batch(spark, BatchConfig(input=str(root / "input"), output_dir=str(untouched),
+                                         **engine_settings(tiny_model)), tokens_per_second=100.0)
+    errors = errors_df(spark, result).where(F.col("code") != "engine_error").groupBy("code").count().collect()
+    assert plan.errors_by_code == {r["code"]: r["count"] for r in errors}
+    assert plan.lines == len(expected) and plan.requests == result.completed + 1  # + the one the engine rejects
+    # the same token counts as the run: its prompts, plus the short one the engine rejected ("Hi")
+    assert 0 < plan.prompt_tokens - result.batch.usage.input_tokens < 32
+    assert plan.max_output_tokens >= result.batch.usage.output_tokens
+    assert (plan.partitions, plan.waves) == (result.batch.partition_plan["num_partitions"], 1)
+    assert plan.engine_seconds == (plan.prompt_tokens + plan.max_output_tokens) / 100.0
+    assert "engine time" in plan.summary() and "100 tokens/s" in plan.summary()
+    assert not untouched.exists() and len(read_events(engine_dir)) == events  # nothing written, no engine started

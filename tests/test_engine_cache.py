@@ -3,6 +3,8 @@ Python workers; greedy decoding gives the same token ids every time. Asserted fr
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 
@@ -18,10 +20,11 @@ def probe(spec: EngineSpec, prompt_ids: list[int]):
     def run(batches):
         import os
 
-        from spark_llm.engine_service import engine_for
+        from spark_llm.engine_service import ProcessSettings, engine_for
 
         for pdf in batches:
-            with engine_for(spec, None, idle_timeout=0) as engine:
+            with engine_for(spec, None, ProcessSettings(engine_idle_timeout_seconds=0,
+                                                        engine_log_level="WARNING")) as engine:
                 [out] = engine.generate([(prompt_ids, {"max_tokens": 6, "temperature": 0})])
             yield pd.DataFrame({"worker": [os.getpid()], "slot": [engine.slot.name], "engine": [engine.info["pid"]],
                                 "tokens": [",".join(map(str, out.outputs[0].token_ids))], "rows": [len(pdf)]})
@@ -50,3 +53,10 @@ def test_one_engine_per_slot_reused_across_tasks_jobs_and_workers(spark, tiny_mo
     assert {pid for pids in by_slot.values() for pid in pids} <= {e["pid"] for e in ready}
     # greedy decoding: the same token ids in every task, slot and job
     assert len({r["tokens"] for r in rows}) == 1 and len(rows[0]["tokens"].split(",")) == 6
+
+
+def test_engine_logs_stay_in_the_engine_directory_at_the_configured_level(shared_run, engine_dir):
+    logs = {p.name: p.read_text(errors="replace") for p in engine_dir.glob("*.log")}
+    assert any("ready in" in text for text in logs.values())  # the engines' own lines are there
+    vllm_info = re.compile(r"\) INFO \d\d-\d\d ")  # vLLM's INFO lines: "(MainProcess pid=1) INFO 11-30 21:57:45"
+    assert not [name for name, text in logs.items() if vllm_info.search(text)]  # default engine_log_level WARNING
