@@ -406,8 +406,9 @@ class _Server:
                     conn.send(("ok", self.generate(*args)) if op == "generate" else ("error", f"unknown op {op!r}"))
                 except Exception as exc:
                     fatal = is_fatal(exc)
+                    message = f"{type(exc).__name__}: {exc}" + (" (the engine is dead)" if fatal else "")
                     with contextlib.suppress(Exception):
-                        conn.send(("error", f"{type(exc).__name__}: {exc}" + (" (the engine is dead)" if fatal else "")))
+                        conn.send(("error", message))
                     if fatal:
                         self.stop(f"engine dead: {exc}", code=1)
                 finally:
