@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -17,8 +16,6 @@ from . import storage
 from .config import BatchConfig
 from .engine import inference_profile, model_context_length
 from .metrics import ListParam
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -277,15 +277,16 @@ def executor_pid() -> int:
 
 
 def _start_server(slot: Slot, spec: Any, process: ProcessSettings) -> dict:
-    from .engine import WORKER_ENV_DEFAULTS
+    from .engine import apply_worker_env
 
     for suffix in (".json", ".error", ".sock"):
         with contextlib.suppress(FileNotFoundError):
             slot.path(suffix).unlink()
     spec_file = slot.path(".spec")
     spec_file.write_text(json.dumps(spec.settings, default=str))
-    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in WORKER_ENV_DEFAULTS.items()},
-           "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_LOGGING_LEVEL": process.engine_log_level}
+    env = dict(os.environ)
+    apply_worker_env(env)
+    env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_LOGGING_LEVEL=process.engine_log_level)
     if slot.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.devices)
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")

@@ -84,10 +84,9 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
         source = "measured by earlier runs"
     rows = estimate_cost(prepare(spark, cfg)).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        n = F.coalesce(F.get_json_object("sampling_json", "$.n").cast("long"), F.lit(1))
-        valid = rows.where(F.col("error_code").isNull())
+        valid = rows.where(F.col("error_code").isNull())  # est_tokens = prompt tokens + n x max_tokens
         totals = valid.agg(F.count(F.lit(1)).alias("requests"), F.sum("prompt_tokens").alias("prompt"),
-                           F.sum(n * F.col("max_tokens")).alias("output"), F.sum("est_tokens").alias("est")).first()
+                           F.sum("est_tokens").alias("est")).first()
         errors = {r["error_code"]: int(r["count"]) for r in
                   rows.where(F.col("error_code").isNotNull()).groupBy("error_code").count().collect()}
     finally:
@@ -97,6 +96,7 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
         if totals["requests"] else 0
     return BatchPlan(lines=int(totals["requests"]) + sum(errors.values()), requests=int(totals["requests"]),
                      errors_by_code=errors, prompt_tokens=int(totals["prompt"] or 0),
-                     max_output_tokens=int(totals["output"] or 0), partitions=partitions, task_slots=slots,
+                     max_output_tokens=int(totals["est"] or 0) - int(totals["prompt"] or 0), partitions=partitions,
+                     task_slots=slots,
                      waves=math.ceil(partitions / (cfg.wave_partitions or 2 * slots)),
                      tokens_per_second=tokens_per_second, tokens_per_second_source=source if tokens_per_second else "")
