@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 MODEL_DIR=.cache/tiny-llm
-[[ -f $MODEL_DIR/config.json ]] || .venv/bin/python scripts/make_tiny_model.py --out "$MODEL_DIR"
+.venv/bin/python scripts/make_tiny_model.py --if-stale --out "$MODEL_DIR"
 .venv/bin/spark-llm run --config conf/local.yaml --model "$MODEL_DIR" \
   --input scripts/demo/requests.jsonl --output-dir demo_output --batch-id demo --overwrite "$@"
 echo

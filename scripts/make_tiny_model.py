@@ -18,15 +18,33 @@ import sys
 import tempfile
 from pathlib import Path
 
+#: ChatML with Hermes-style tools (as Qwen's templates write them): the tools in a system block, earlier calls as
+#: <tool_call>{"name", "arguments"}</tool_call>, tool results as <tool_response> in a user turn.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{%- set skip_first = tools and messages[0]['role'] == 'system' -%}"
+    "{%- if tools -%}"
+    "<|im_start|>system\n{% if skip_first %}{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "To call a function answer with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}{% if not (loop.first and skip_first) %}"
     "{% if message['content'] is string %}{% set content = message['content'] %}"
+    "{% elif message['content'] is none %}{% set content = '' %}"
     "{% else %}{% set content = message['content'] | map(attribute='text') | join('\n') %}{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
-    "{% endfor %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}<|im_start|>assistant\n{{ content }}"
+    "{% for call in message['tool_calls'] %}<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+#: Ordinary (decoded) tokens that vLLM's hermes tool-call parser and deepseek_r1 reasoning parser look for.
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+#: Bumped whenever the built model changes; --if-stale rebuilds a directory built by another version.
+VERSION = 2
 
 _EN_WORDS = (
     "the of and to in is that for it as with was on be by this are from at or an have not which but all they "
@@ -86,6 +104,7 @@ def build_tokenizer(out: Path, seed: int, vocab_size: int):
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
         model_max_length=2048,
     )
+    fast.add_tokens(MARKUP_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     return fast
@@ -123,6 +142,7 @@ def build_model(out: Path, *, seed: int = 0, vocab_size: int = 4096, hidden: int
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos_ids}, indent=2)
         )
+        (tmp / "tiny_model_version").write_text(str(VERSION))
         if out.exists():
             shutil.rmtree(out)
         tmp.chmod(0o755)
@@ -139,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the weights")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size to train")
     p.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings of the model")
+    p.add_argument("--if-stale", action="store_true", help="do nothing when --out already holds this version's model")
     args = p.parse_args(argv)
+    marker = Path(args.out) / "tiny_model_version"
+    if args.if_stale and marker.exists() and marker.read_text().strip() == str(VERSION):
+        print(f"tiny model in {args.out} is up to date")
+        return 0
     out = build_model(Path(args.out), seed=args.seed, vocab_size=args.vocab_size, max_len=args.max_len)
     print(f"tiny model written to {out}")
     return 0

@@ -35,10 +35,11 @@ def group(name: str) -> dict[str, Any]:
     return {"group": name}
 
 
-def engine(name: str) -> dict[str, Any]:
-    """Field metadata of an engine setting: it is passed to ``vllm.LLM`` under its own name (see
-    :class:`~spark_llm.engine.EngineSpec`), and changing it means building a new engine."""
-    return {**group(name), "engine": True}
+def engine(name: str, vllm: Optional[str] = "") -> dict[str, Any]:
+    """Field metadata of an engine setting: changing it means building a new engine. It is passed to ``vllm.LLM``
+    under its own name, or under ``vllm`` (``a.b``: key ``b`` of the dict argument ``a``); ``vllm=None``: the engine
+    process uses it itself (see :class:`~spark_llm.engine.EngineSpec`)."""
+    return {**group(name), "engine": True, "vllm": vllm}
 
 
 _T = TypeVar("_T")
@@ -180,6 +181,26 @@ class BatchConfig(BaseModel):
         None, description="vLLM executor backend. None picks 'uni' (in-process, required inside Spark's forked "
         "Python workers) for one GPU and 'mp' for tensor parallel.",
         json_schema_extra=engine("model and engine"))
+    reasoning_parser: Optional[str] = Field(
+        None, description="vLLM reasoning parser of the model (e.g. deepseek_r1, qwen3, granite): chat messages get "
+        "the thinking as `reasoning` (Responses: a reasoning item), `text` and structured outputs are the answer "
+        "after it, and usage counts reasoning_tokens. None: the answer is the whole generated text.",
+        json_schema_extra=engine("model and engine"))
+    tool_call_parser: Optional[str] = Field(
+        None, description="vLLM tool-call parser of the model (e.g. hermes, llama3_json, mistral), needed for "
+        "tool_choice auto (the default when a request gives tools): it finds the calls in the generated text. "
+        "tool_choice required or a named function needs none: the output is constrained to the tools' schemas.",
+        json_schema_extra=engine("model and engine", vllm=None))
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"] = Field(
+        "xgrammar", description="vLLM structured-output backend for response_format / text.format / forced tool "
+        "calls. Schemas it cannot compile are invalid_request error rows found before any engine time (checked "
+        "for xgrammar). auto lets vLLM fall back per request.",
+        json_schema_extra=engine("model and engine", vllm="structured_outputs_config.backend"))
+    compact_json: bool = Field(
+        True, description="Structured outputs without whitespace between JSON tokens (vLLM's "
+        "disable_any_whitespace): the same answer in fewer tokens, so it fits max_tokens and costs less. Needs "
+        "structured_outputs_backend xgrammar or guidance. Off: the model may indent its JSON.",
+        json_schema_extra=engine("model and engine", vllm="structured_outputs_config.disable_any_whitespace"))
     engine_idle_timeout_seconds: float = Field(
         600.0, ge=0, description="An engine process (one per GPU or tensor-parallel group of an executor, kept "
         "between tasks and batches) stops after this long without requests, freeing its GPUs; the next batch loads "
@@ -253,6 +274,9 @@ class BatchConfig(BaseModel):
             raise ValueError("retry_errors only applies with resume")
         if self.prompt_column and self.messages_column:
             raise ValueError("give prompt_column or messages_column, not both")
+        if self.compact_json and self.structured_outputs_backend not in ("xgrammar", "guidance"):
+            raise ValueError("compact_json needs structured_outputs_backend xgrammar or guidance (vLLM's other "
+                             "backends cannot drop the whitespace); set --no-compact-json or pick one of them")
         return self
 
     @model_validator(mode="after")
@@ -266,6 +290,12 @@ class BatchConfig(BaseModel):
     def fields_of(cls, key: str) -> tuple[str, ...]:
         """Names of the fields whose metadata has ``key`` set (e.g. ``engine``)."""
         return tuple(n for n, f in cls.model_fields.items() if (f.json_schema_extra or {}).get(key))
+
+    @classmethod
+    def vllm_argument(cls, name: str) -> Optional[str]:
+        """Where an engine setting goes in ``vllm.LLM``'s arguments (see :func:`engine`); None: not passed."""
+        target = cls.model_fields[name].json_schema_extra["vllm"]  # type: ignore[index]
+        return name if target == "" else target
 
     @classmethod
     def group_of(cls, name: str) -> str:

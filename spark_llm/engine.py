@@ -67,7 +67,16 @@ class EngineSpec:
     def llm_kwargs(self) -> dict[str, Any]:
         """``vllm.LLM`` arguments: the settings that are set, with vLLM's own defaults for the rest;
         ``engine_kwargs`` win."""
-        kw = {k: v for k, v in self.settings.items() if v is not None and k != "engine_kwargs"}
+        kw: dict[str, Any] = {}
+        for name, value in self.settings.items():
+            target = BatchConfig.vllm_argument(name)
+            if value is None or target is None or name == "engine_kwargs":
+                continue
+            outer, _, inner = target.partition(".")
+            if inner:
+                kw.setdefault(outer, {})[inner] = value
+            else:
+                kw[outer] = value
         kw["tokenizer"] = kw.get("tokenizer") or self.model
         kw["distributed_executor_backend"] = kw.get("distributed_executor_backend") or (
             "uni" if self.tensor_parallel_size == 1 else "mp")

@@ -71,6 +71,12 @@ class Choice:
     token_ids: list[int]
     finish_reason: Optional[str]
     logprobs: Optional[list[dict[int, TokenLogprob]]] = None
+    #: set by the engine's parsers (:class:`~spark_llm.endpoints.engine_side.Parsers`) when ``parsed``
+    parsed: bool = False
+    content: Optional[str] = None           #: the answer: text without the reasoning and the tool-call markup
+    reasoning: Optional[str] = None
+    reasoning_tokens: int = 0
+    tool_calls: Optional[list[dict]] = None  #: [{"name", "arguments"}] found by the tool-call parser
 
 
 @dataclass
@@ -172,8 +178,9 @@ class EngineClient:
     def load_seconds(self) -> float:
         return float(self.info.get("load_seconds", 0.0)) if self.started_here else 0.0
 
-    def generate(self, requests: list[tuple[list[int], dict]]) -> list[Output | RequestFailure]:
-        """One result per (prompt token ids, SamplingParams keyword arguments), in order."""
+    def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list[Output | RequestFailure]:
+        """One result per (prompt token ids, SamplingParams keyword arguments, what to parse out of the answer:
+        ``{"reasoning": bool, "tools": [...]}``), in order."""
         return self._call("generate", requests)
 
     def _call(self, op: str, *args: Any) -> Any:
@@ -234,7 +241,7 @@ def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSetting
                 conn = None
         started = conn is None
         if started:
-            _stop_servers_on(slot)
+            stop_engines_on(slot)
             info = _start_server(slot, spec, process)
             conn = _connect(slot, info)
         client = EngineClient(slot, info, started, conn)
@@ -244,7 +251,7 @@ def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSetting
             client.close()
 
 
-def _stop_servers_on(slot: Slot) -> None:
+def stop_engines_on(slot: Slot) -> None:
     """Stop every live server of this slot or of any slot sharing one of its devices, and wait until they are
     gone (they release their device locks when their process ends)."""
     for info_file in engine_dir().glob("*.json"):
@@ -326,6 +333,7 @@ class _Server:
     def __init__(self, slot: Slot, key: str, watch_pid: int, idle_timeout: float):
         self.slot, self.key, self.watch_pid, self.idle_timeout = slot, key, watch_pid, idle_timeout
         self.engine: Any = None
+        self.parsers: Any = None
         self.busy = False
         self.last_used = time.monotonic()
         self.lock = threading.Lock()
@@ -356,16 +364,15 @@ class _Server:
                 with self.lock:
                     self.stop(f"idle for {idle:.0f}s")
 
-    def generate(self, requests: list[tuple[list[int], dict]]) -> list:
-        from vllm import SamplingParams
-
+    def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list:
+        from .endpoints.engine_side import sampling_params
         from .infer import generate_isolating, is_fatal
 
         results: list = [None] * len(requests)
         prompts, params, index = [], [], []
-        for i, (ids, sampling) in enumerate(requests):
+        for i, (ids, sampling, _) in enumerate(requests):
             try:
-                params.append(SamplingParams(**sampling))
+                params.append(sampling_params(sampling))
             except Exception as exc:
                 results[i] = RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
                 continue
@@ -377,8 +384,13 @@ class _Server:
                 if is_fatal(out):
                     raise out
                 results[i] = RequestFailure("engine", f"{type(out).__name__}: {out}")
-            else:
-                results[i] = _plain(out)
+                continue
+            results[i] = _plain(out)
+            try:
+                for choice in results[i].outputs:
+                    self.parsers.parse(choice, requests[i][2])
+            except Exception as exc:  # a parser bug on one odd answer is that request's error, not the batch's
+                results[i] = RequestFailure("engine", f"parsing the answer failed: {type(exc).__name__}: {exc}")
         return results
 
     def serve_connection(self, conn: Any) -> None:
@@ -442,12 +454,15 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     _event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
     threading.Thread(target=server.watch, name="watch", daemon=True).start()
 
+    from .endpoints.engine_side import Parsers
     from .engine import EngineSpec, build_engine
 
     spec = EngineSpec(settings=json.loads(Path(args.spec_file).read_text()))
     t0 = time.monotonic()
     try:
         server.engine = build_engine(spec)
+        server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
+                                 spec.settings.get("reasoning_parser"))
     except EngineStartError as exc:
         slot.path(".error").write_text(str(exc))
         server.stop("engine could not start", code=1)

@@ -1,7 +1,8 @@
-"""Inference over whole partitions with the engine of the task's GPUs, and OpenAI response bodies.
+"""Inference over whole partitions with the engine of the task's GPUs.
 
 One ``mapInPandas`` task hands its entire partition to its slot's engine (:mod:`~spark_llm.engine_service`) in one
-call so vLLM's continuous batching keeps the device busy. A request the engine rejects becomes that request's
+call so vLLM's continuous batching keeps the device busy; each row's endpoint module (:mod:`~spark_llm.endpoints`)
+turns its outputs into the OpenAI response body. A request the engine rejects becomes that request's
 ``engine_error`` row (the failing batch is bisected to find it); a dead engine fails the task, and Spark retries it.
 """
 
@@ -16,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import faults
 from .engine import EngineSpec, task_gpus
+from .endpoints import BY_KIND, Reply
 from .engine_service import EngineClient, ProcessSettings, RequestFailure, engine_for
 from .errors import ErrorCode, truncate
 from .schemas import RESULT_FIELDS
@@ -31,68 +33,6 @@ class InferContext:
     process: ProcessSettings
     wave: int = 0
     metrics: Any = None  # a Spark accumulator of per-partition records (see metrics.py), or None
-
-
-# ---- OpenAI bodies -------------------------------------------------------------------------------------------
-
-def _finish_reason(reason: Optional[str]) -> str:
-    return reason if reason in ("stop", "length") else (reason or "stop")
-
-
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", "replace"))
-
-
-def _positions(choice: Any, k: int) -> Iterator[tuple[str, Optional[float], list]]:
-    """Per generated token: its text, its logprob and the k most likely alternatives (rank 1..k)."""
-    for tok_id, pos in zip(choice.token_ids, choice.logprobs):
-        chosen = pos.get(tok_id)
-        token = (chosen.decoded_token if chosen is not None else None) or ""
-        tops = sorted((lp for lp in pos.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
-        yield token, (float(chosen.logprob) if chosen is not None else None), tops
-
-
-def chat_logprobs(choice: Any, k: Optional[int]) -> Optional[dict]:
-    if choice.logprobs is None or k is None:
-        return None
-    content = [{"token": token, "logprob": lp, "bytes": _token_bytes(token),
-                "top_logprobs": [{"token": t.decoded_token or "", "logprob": float(t.logprob),
-                                  "bytes": _token_bytes(t.decoded_token or "")} for t in tops]}
-               for token, lp, tops in _positions(choice, k)]
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(choice: Any, k: Optional[int]) -> Optional[dict]:
-    if choice.logprobs is None or k is None:
-        return None
-    tokens, token_lps, top, offsets, offset = [], [], [], [], 0
-    for token, lp, tops in _positions(choice, k):
-        tokens.append(token)
-        token_lps.append(lp)
-        top.append({t.decoded_token or "": float(t.logprob) for t in tops})
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
-
-
-def response_body(kind: str, output: Any, request_id: str, model: str, created: int,
-                  logprobs_k: Optional[int]) -> dict:
-    """A complete OpenAI ChatCompletion / Completion object for one vLLM ``RequestOutput``."""
-    prompt_tokens = len(output.prompt_token_ids or [])
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
-    suffix = request_id.split("_", 1)[1]
-    if kind == "chat":
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": chat_logprobs(c, logprobs_k),
-                    "finish_reason": _finish_reason(c.finish_reason)} for c in output.outputs]
-        return {"id": f"chatcmpl-{suffix}", "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage, "system_fingerprint": None}
-    choices = [{"index": c.index, "text": c.text, "logprobs": completion_logprobs(c, logprobs_k),
-                "finish_reason": _finish_reason(c.finish_reason)} for c in output.outputs]
-    return {"id": f"cmpl-{suffix}", "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
 # ---- the partition function ------------------------------------------------------------------------------------
@@ -140,8 +80,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     pdf = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
     n = len(pdf)
     rows = [_base_row(pdf, i, ctx) for i in range(n)]
-    requests = [([int(t) for t in pdf["prompt_token_ids"].iat[i]], json.loads(pdf["sampling_json"].iat[i]))
-                for i in range(n)]
+    requests, owner = _engine_requests(pdf)
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
     with engine_for(ctx.engine, gpus, ctx.process) as engine:
         t0 = time.monotonic()
@@ -151,25 +90,12 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
              engine.load_seconds)
     faults.maybe_kill_worker(set(pdf["custom_id"]))
     created = int(time.time())
-    for i, res in enumerate(results):
-        row = rows[i]
-        if isinstance(res, RequestFailure):
-            if res.kind == "invalid":
-                row.update(error_code=ErrorCode.INVALID_REQUEST.value,
-                           error_message=f"sampling parameters rejected by the engine: {res.message}")
-            else:
-                row.update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=truncate(res.message, 1000))
-            continue
-        k = requests[i][1].get("logprobs")
-        body = response_body(pdf["kind"].iat[i], res, row["request_id"], ctx.served_model_name, created, k)
-        first = body["choices"][0]
-        row.update(
-            text=first["message"]["content"] if "message" in first else first["text"],
-            finish_reason=first["finish_reason"], created=created,
-            prompt_tokens=body["usage"]["prompt_tokens"], completion_tokens=body["usage"]["completion_tokens"],
-            total_tokens=body["usage"]["total_tokens"],
-            response_body=json.dumps(body, ensure_ascii=False, separators=(",", ":")),
-        )
+    per_row: list[list] = [[] for _ in range(n)]
+    for i, res in zip(owner, results):
+        per_row[i].append(res)
+    for i, outputs in enumerate(per_row):
+        reply = Reply(rows[i]["request_id"], ctx.served_model_name, created, json.loads(pdf["options_json"].iat[i]))
+        _answer(rows[i], outputs, pdf["kind"].iat[i], reply)
     unanswered = [i for i, r in enumerate(rows) if r["response_body"] is None and r["error_code"] is None]
     if unanswered:  # the conservation check: every request of the partition has a response or an error
         raise AssertionError(f"{len(unanswered)} of {n} requests got neither a response nor an error")
@@ -179,6 +105,43 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     for col in ("line_number", "prompt_tokens", "completion_tokens", "total_tokens", "created"):
         out[col] = out[col].astype("Int64")
     yield out
+
+
+def _engine_requests(pdf: Any) -> tuple[list[tuple[list[int], dict, dict]], list[int]]:
+    """One engine request per prompt of every row (prompt token ids, SamplingParams keyword arguments, what the
+    engine should parse out of the answer), and the row each belongs to."""
+    requests, owner = [], []
+    for i in range(len(pdf)):
+        endpoint = BY_KIND[pdf["kind"].iat[i]]
+        sampling = json.loads(pdf["sampling_json"].iat[i])
+        options = json.loads(pdf["options_json"].iat[i])
+        parse = {"reasoning": endpoint.PARSE_REASONING}
+        if options.get("tool_choice") == "auto":
+            parse["tools"] = options["tools"]
+        for ids in pdf["prompt_token_ids"].iat[i]:
+            requests.append(([int(t) for t in ids], sampling, parse))
+            owner.append(i)
+    return requests, owner
+
+
+def _answer(row: dict, outputs: list, kind: str, reply: Reply) -> None:
+    """Fill a result row from its engine outputs: the endpoint's response body, or the first failure's error."""
+    failure = next((o for o in outputs if isinstance(o, RequestFailure)), None)
+    if failure is not None:
+        if failure.kind == "invalid":
+            row.update(error_code=ErrorCode.INVALID_REQUEST.value,
+                       error_message=f"sampling parameters rejected by the engine: {failure.message}")
+        else:
+            row.update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=truncate(failure.message, 1000))
+        return
+    answer = BY_KIND[kind].respond(outputs, reply)
+    row.update(
+        text=answer.text, finish_reason=answer.finish_reason, created=reply.created,
+        tool_calls=json.dumps(answer.tool_calls, ensure_ascii=False) if answer.tool_calls else None,
+        reasoning=answer.reasoning, prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens,
+        total_tokens=answer.prompt_tokens + answer.completion_tokens,
+        response_body=json.dumps(answer.body, ensure_ascii=False, separators=(",", ":")),
+    )
 
 
 def _base_row(pdf: Any, i: int, ctx: InferContext) -> dict:

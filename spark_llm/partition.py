@@ -82,9 +82,10 @@ def task_slots(spark: SparkSession, configured: Optional[int] = None, tensor_par
 
 
 def estimate_cost(df: DataFrame) -> DataFrame:
-    """Adds ``est_tokens`` = prompt tokens + n * max_tokens."""
+    """Adds ``est_tokens`` = prompt tokens + prompts x n x max_tokens."""
     n = F.coalesce(F.get_json_object("sampling_json", "$.n").cast("long"), F.lit(1))
-    return df.withColumn("est_tokens", F.col("prompt_tokens").cast("long") + n * F.col("max_tokens").cast("long"))
+    outputs = n * F.greatest(F.size("prompt_token_ids"), F.lit(1)).cast("long")
+    return df.withColumn("est_tokens", F.col("prompt_tokens").cast("long") + outputs * F.col("max_tokens").cast("long"))
 
 
 def _partition_sums(df: DataFrame) -> dict[int, int]:
@@ -175,7 +176,7 @@ def materialize(assigned: DataFrame, first: int, count: int) -> DataFrame:
     wave = assigned.where(F.col(PART_COL).between(first, first + count - 1))
     keyed = wave.join(F.broadcast(_hash_keys(spark, count, first)), PART_COL)
     return (keyed.repartition(count, "_key")
-            .sortWithinPartitions(F.slice("prompt_token_ids", 1, _PREFIX_TOKENS), F.col("prompt_tokens").desc())
+            .sortWithinPartitions(F.slice(F.col("prompt_token_ids")[0], 1, _PREFIX_TOKENS), F.col("prompt_tokens").desc())
             .drop("_key"))
 
 

@@ -84,7 +84,7 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
         source = "measured by earlier runs"
     rows = estimate_cost(prepare(spark, cfg)).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        valid = rows.where(F.col("error_code").isNull())  # est_tokens = prompt tokens + n x max_tokens
+        valid = rows.where(F.col("error_code").isNull())  # est_tokens = prompt tokens + prompts x n x max_tokens
         totals = valid.agg(F.count(F.lit(1)).alias("requests"), F.sum("prompt_tokens").alias("prompt"),
                            F.sum("est_tokens").alias("est")).first()
         errors = {r["error_code"]: int(r["count"]) for r in

@@ -19,13 +19,15 @@ def _struct(*fields: tuple[str, T.DataType, bool]) -> T.StructType:
 #: validate.validate_batches output: one row per non-blank input line, a request or an error.
 VALIDATED_SCHEMA = _struct(
     ("file", S, False), ("line_number", L, False), ("custom_id", S, True), ("url", S, True), ("kind", S, True),
-    ("request", S, True), ("prompt_json", S, True), ("sampling_json", S, True), ("max_tokens", L, True),
+    ("request", S, True), ("prompt_json", S, True), ("sampling_json", S, True), ("options_json", S, True),
+    ("max_tokens", L, True),
     ("error_code", S, True), ("error_message", S, True), ("raw_line", S, True),
 )
 
 #: tokens.count_batches output.
 TOKENIZED_SCHEMA = T.StructType(VALIDATED_SCHEMA.fields + [
-    T.StructField("prompt_token_ids", T.ArrayType(I, containsNull=False), True),
+    # one list per prompt: a completions request may hold several
+    T.StructField("prompt_token_ids", T.ArrayType(T.ArrayType(I, containsNull=False), containsNull=False), True),
     T.StructField("prompt_tokens", L, True),
     T.StructField("notes", S, True),
 ])
@@ -34,7 +36,7 @@ TOKENIZED_SCHEMA = T.StructType(VALIDATED_SCHEMA.fields + [
 RESULT_SCHEMA = _struct(
     ("id", S, False), ("custom_id", S, True), ("file", S, True), ("line_number", L, True), ("endpoint", S, True),
     ("request_id", S, True), ("model", S, True), ("text", S, True), ("finish_reason", S, True),
-    ("prompt_tokens", L, True), ("completion_tokens", L, True), ("total_tokens", L, True), ("created", L, True),
+    ("tool_calls", S, True), ("reasoning", S, True), ("prompt_tokens", L, True), ("completion_tokens", L, True), ("total_tokens", L, True), ("created", L, True),
     ("response_body", S, True), ("request", S, True), ("notes", S, True), ("error_code", S, True),
     ("error_message", S, True),
 )
@@ -51,16 +53,20 @@ OUTPUTS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "request_id": (S, "response.request_id in output.jsonl"),
     "file": (S, "Input file the request came from"),
     "line_number": (L, "1-based line number of the request in its input file"),
-    "endpoint": (S, "Request url: /v1/chat/completions or /v1/completions"),
+    "endpoint": (S, "Request url: /v1/chat/completions, /v1/completions or /v1/responses"),
     "model": (S, "Served model name"),
-    "text": (S, "Generated text of the first choice"),
-    "finish_reason": (S, "Why generation of the first choice stopped: stop or length"),
+    "text": (S, "Answer text of the first choice (after any reasoning; JSON text for structured outputs); null "
+                "when the answer is only tool calls"),
+    "finish_reason": (S, "Why the first choice ended: stop, length or tool_calls"),
+    "tool_calls": (S, "JSON array of the first choice's tool calls ([{id, type, function: {name, arguments}}]), "
+                      "null when none"),
+    "reasoning": (S, "The first choice's thinking, split from the answer by the reasoning_parser; null without one"),
     "prompt_tokens": (L, "Prompt tokens (after the chat template), equal to usage.prompt_tokens"),
     "completion_tokens": (L, "Generated tokens over all choices"),
     "total_tokens": (L, "prompt_tokens + completion_tokens"),
     "notes": (S, "Adjustments made to the request, e.g. max_tokens lowered to fit the context"),
     "created_at": (T.TimestampType(), "When the response was generated"),
-    "response_body": (S, "Full OpenAI ChatCompletion / Completion object as JSON"),
+    "response_body": (S, "Full OpenAI ChatCompletion / Completion / Response object as JSON"),
     "request": (S, "The original input line as JSON"),
 }
 

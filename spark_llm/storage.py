@@ -192,8 +192,15 @@ def conform(df: DataFrame, columns: dict) -> DataFrame:
 
 
 def ensure_table(spark: SparkSession, table: str, columns: dict) -> None:
-    """Create the (empty) Delta table, partitioned by batch_id, with column comments, if it does not exist."""
+    """Create the (empty) Delta table, partitioned by batch_id, with column comments, if it does not exist; add the
+    columns a table made by an earlier version of spark_llm lacks (they read as null for its older rows)."""
     if table_exists(spark, table):
+        have = {f.name for f in read_table(spark, table).schema.fields}
+        missing = [(n, t, c) for n, (t, c) in columns.items() if n not in have]
+        if missing:
+            ref = table if is_table_name(table) else f"delta.`{table.rstrip('/')}`"
+            added = ", ".join(f"`{n}` {t.simpleString()} COMMENT '{c.replace(chr(39), '')}'" for n, t, c in missing)
+            spark.sql(f"ALTER TABLE {ref} ADD COLUMNS ({added})")
         return
     empty = spark.createDataFrame([], table_schema(columns))
     _save(conform(empty, columns).write.format("delta").partitionBy("batch_id"), table)

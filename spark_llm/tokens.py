@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from .endpoints import BY_KIND
+from .endpoints.common import check_token_ids
 from .errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -47,20 +49,12 @@ class TokenContext:
     context_overflow: str
 
 
-def render_prompt(tokenizer: Any, kind: str, prompt: Any, char_limit: Optional[int] = None) -> tuple[list[int], bool]:
-    """Token ids the engine will see (the chat template applied to messages, or the completion prompt), and whether
-    only the first ``char_limit`` characters were tokenized."""
-    if kind == "chat":
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        return _encode(tokenizer, text, False, char_limit)
-    if isinstance(prompt, list):
-        return [int(t) for t in prompt], False
-    return _encode(tokenizer, prompt, True, char_limit)
-
-
-def _encode(tokenizer: Any, text: str, add_special: bool, char_limit: Optional[int]) -> tuple[list[int], bool]:
-    cut = char_limit is not None and len(text) > char_limit
-    return tokenizer.encode(text[:char_limit] if cut else text, add_special_tokens=add_special), cut
+def render_prompt(tokenizer: Any, kind: str, prompt: Any,
+                  char_limit: Optional[int] = None) -> tuple[list[list[int]], bool]:
+    """Token ids the engine will see, one list per prompt (the endpoint's rendering: the chat template applied to
+    messages and tools, or the completion prompts), and whether only the first ``char_limit`` characters were
+    tokenized."""
+    return BY_KIND[kind].render(tokenizer, prompt, char_limit)
 
 
 def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, ctx: TokenContext) -> dict:
@@ -69,20 +63,24 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
     sampling = json.loads(sampling_json)
     max_tokens = int(sampling["max_tokens"])
     ids, truncated = render_prompt(tokenizer, kind, prompt, ctx.max_model_len * _MAX_CHARS_PER_TOKEN)
-    if truncated and len(ids) + max_tokens <= ctx.max_model_len:  # pathological chars/token: count it all
+    longest = max(len(p) for p in ids)
+    if truncated and longest + max_tokens <= ctx.max_model_len:  # pathological chars/token: count it all
         ids, truncated = render_prompt(tokenizer, kind, prompt)
-    n_prompt = len(ids)
+        longest = max(len(p) for p in ids)
+    n_prompt = sum(len(p) for p in ids)
     out = {"prompt_token_ids": ids, "prompt_tokens": n_prompt, "max_tokens": max_tokens, "notes": None,
            "sampling_json": sampling_json, "error_code": None, "error_message": None}
     vocab = len(tokenizer)
-    if kind == "completion" and isinstance(prompt, list) and any(t >= vocab for t in ids):
-        out.update(error_code=ErrorCode.INVALID_REQUEST.value,
-                   error_message=f"body.prompt holds token ids outside the vocabulary (size {vocab})")
+    problem = check_token_ids(sampling, vocab)
+    if problem is None and any(p and max(p) >= vocab for p in ids):
+        problem = f"body.prompt holds token ids outside the vocabulary (size {vocab})"
+    if problem is not None:
+        out.update(error_code=ErrorCode.INVALID_REQUEST.value, error_message=problem)
         return out
-    if n_prompt + max_tokens > ctx.max_model_len:
-        fits_alone = n_prompt < ctx.max_model_len and not truncated
+    if longest + max_tokens > ctx.max_model_len:
+        fits_alone = longest < ctx.max_model_len and not truncated
         if ctx.context_overflow == "truncate" and fits_alone:
-            new_max = ctx.max_model_len - n_prompt
+            new_max = ctx.max_model_len - longest
             sampling["max_tokens"] = new_max
             if sampling.get("min_tokens", 0) > new_max:
                 sampling["min_tokens"] = new_max
@@ -91,9 +89,10 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
                              f"{ctx.max_model_len}")
         else:
             at_least = "at least " if truncated else ""
+            which = "prompt" if len(ids) == 1 else "longest prompt"
             out.update(error_code=ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
-                       error_message=f"prompt has {at_least}{n_prompt} tokens and max_tokens is {max_tokens}: "
-                                     f"{at_least}{n_prompt + max_tokens} tokens, over the model's maximum context "
+                       error_message=f"{which} has {at_least}{longest} tokens and max_tokens is {max_tokens}: "
+                                     f"{at_least}{longest + max_tokens} tokens, over the model's maximum context "
                                      f"length of {ctx.max_model_len}")
     return out
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Columns of a planned request the inference task reads.
 INFER_INPUT = ("id", "request_id", "custom_id", "file", "line_number", "url", "kind", "request", "sampling_json",
-               "prompt_token_ids", "prompt_tokens", "notes", PART_COL)
+               "options_json", "prompt_token_ids", "prompt_tokens", "notes", PART_COL)
 
 
 @dataclass(frozen=True)

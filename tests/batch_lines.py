@@ -40,7 +40,7 @@ def build_e2e_input(root: Path) -> dict[tuple[str, int], str]:
         chat_line("stream", stream=True),
         chat_line("hot", temperature=3),
         chat_line("tools", tools=[]),
-        completion_line("too-long", "word " * 600, max_tokens=8),
+        completion_line("too-long", "word " * 1200, max_tokens=8),
         chat_line("chat-greedy", "a duplicate of line 1"),
         # valid for the API, but over the engine's max_logprobs (3): the real engine rejects this one request
         chat_line("engine-reject", "Hi", temperature=0, max_tokens=2, logprobs=True, top_logprobs=5),
@@ -54,7 +54,7 @@ def build_e2e_input(root: Path) -> dict[tuple[str, int], str]:
     expected_a = [OK, OK, None, OK, OK, OK, OK, OK, OK, OK, "invalid_json", "invalid_json", "invalid_encoding",
                   "invalid_custom_id", "invalid_method", "unsupported_endpoint", "invalid_request",
                   "model_not_found", "invalid_request", "invalid_request", "unsupported_parameter", "invalid_request",
-                  "unsupported_parameter", "context_length_exceeded", "duplicate_custom_id", "engine_error"]
+                  "invalid_request", "context_length_exceeded", "duplicate_custom_id", "engine_error"]
     expected_b = ["duplicate_custom_id", OK, "invalid_json", OK]
     root.mkdir(parents=True, exist_ok=True)
     write_jsonl(root / "a.jsonl", a)
@@ -101,7 +101,7 @@ def hostile_cases() -> list[tuple[object, str | None]]:
         ({**env("empty-url"), "url": ""}, "unsupported_endpoint"),
         ({**env("v2-url"), "url": "/v2/chat/completions"}, "unsupported_endpoint"),
         ({**env("slash-url"), "url": "/v1/chat/completions/"}, "unsupported_endpoint"),
-        ({**env("resp-url"), "url": "/v1/responses"}, "unsupported_endpoint"),
+        ({**env("resp-url"), "url": "/v1/responses"}, "unsupported_parameter"),  # chat's messages sent to Responses
         ({k: v for k, v in env("h-no-body").items() if k != "body"}, "invalid_request"),
         ({**env("null-body"), "body": None}, "invalid_request"),
         ({**env("list-body"), "body": []}, "invalid_request"),
@@ -135,8 +135,8 @@ def hostile_cases() -> list[tuple[object, str | None]]:
         (env("max0", max_tokens=0), "invalid_request"),
         (env("stops", stop=["a", "b", "c", "d", "e"]), "invalid_request"),
         (env("lp-type", logprobs="yes"), "invalid_request"),
-        (env("h-tools", tools=[{"type": "function"}]), "unsupported_parameter"),
-        (env("fmt", response_format={"type": "json_object"}), "unsupported_parameter"),
+        (env("h-tools", tools=[{"type": "function"}]), "invalid_request"),
+        (env("fmt", response_format={"type": "xml"}), "invalid_request"),
         (completion_line("echo", echo=True), "unsupported_parameter"),
         (completion_line("comp-ok", temperature=0, max_tokens=3), OK),
     ]
@@ -152,3 +152,102 @@ def build_hostile_input(root: Path) -> dict[tuple[str, int], str]:
     expected = {(HOSTILE_FILE, i + 1): e for i, (_, e) in enumerate(cases) if e is not None}
     expected[(HOSTILE_FILE, len(cases) + 1)] = OK
     return expected
+
+
+# ---- request shapes: structured outputs, tools, the Responses API, the rest of the sampling surface ---------------
+
+SHAPES_FILE = "shapes.jsonl"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "JST"]}},
+        "required": ["zone"], "additionalProperties": False}
+SENTIMENT = {"type": "object", "properties": {"label": {"type": "string", "enum": ["positive", "negative", "neutral"]}},
+             "required": ["label"], "additionalProperties": False}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city",
+                                                "parameters": WEATHER}},
+              {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}]
+BIASED_TOKEN = 309  #: " to" in the tiny tokenizer; logit_bias +100 on it makes it every generated token
+
+
+def schema_format(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def responses_line(custom_id: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": {"model": MODEL_NAME, **body}}
+
+
+def shapes_cases() -> list[tuple[dict, str]]:
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+    return [
+        (chat_line("so-enum", "Is this review positive? Great phone.", temperature=0, max_tokens=40,
+                   response_format=schema_format("sentiment", SENTIMENT)), OK),
+        (chat_line("so-object", "Describe a person.", temperature=0.7, seed=3, max_tokens=60,
+                   response_format=schema_format("person", PERSON)), OK),
+        (chat_line("so-json-object", "Give JSON.", temperature=0, max_tokens=40,
+                   response_format={"type": "json_object"}), OK),
+        (chat_line("so-text", "Say hi.", temperature=0, max_tokens=3, response_format={"type": "text"}), OK),
+        (chat_line("tool-named", "Weather in Tokyo for 3 days?", temperature=0, max_tokens=40, tools=CHAT_TOOLS,
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}}), OK),
+        (chat_line("tool-required", "Weather or time?", temperature=0.8, seed=5, max_tokens=80, tools=CHAT_TOOLS,
+                   tool_choice="required", parallel_tool_calls=False), OK),
+        (chat_line("tool-auto", "Weather in Paris?", temperature=0, max_tokens=8, tools=CHAT_TOOLS), OK),
+        (chat_line("tool-none", "Hi", temperature=0, max_tokens=3, tools=CHAT_TOOLS, tool_choice="none"), OK),
+        (chat_line("tool-history", temperature=0, max_tokens=4, tools=CHAT_TOOLS) | {
+            "body": {"model": MODEL_NAME, "messages": history, "tools": CHAT_TOOLS, "temperature": 0,
+                     "max_tokens": 4}}, OK),
+        (responses_line("resp-text", input="Say something.", instructions="Be brief.", max_output_tokens=4,
+                        temperature=0, metadata={"k": "v"}, store=False), OK),
+        (responses_line("resp-items", temperature=0, max_output_tokens=40, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+            {"type": "function_call", "call_id": "call_9", "name": "get_weather",
+             "arguments": '{"city": "Paris", "days": 1}'},
+            {"type": "function_call_output", "call_id": "call_9", "output": "rain"},
+            {"role": "user", "content": "Summarize as JSON."}],
+            text={"format": {"type": "json_schema", "name": "sentiment", "schema": SENTIMENT, "strict": True}},
+            tools=RESPONSES_TOOLS, tool_choice="none"), OK),
+        (responses_line("resp-tool", input="Weather in Oslo?", temperature=0, max_output_tokens=40,
+                        tools=RESPONSES_TOOLS, tool_choice={"type": "function", "name": "get_weather"}), OK),
+        (chat_line("seed-a", "Tell a story.", temperature=1.0, seed=1234, max_tokens=8), OK),
+        (chat_line("seed-b", "Tell a story.", temperature=1.0, seed=1234, max_tokens=8), OK),
+        (completion_line("logit-bias", "Once", temperature=1.0, max_tokens=4, logit_bias={str(BIASED_TOKEN): 100}),
+         OK),
+        (completion_line("comp-list", ["Once upon", [5, 6, 7]], temperature=0.8, seed=2, max_tokens=3, n=2), OK),
+        (chat_line("max-completion", "Hi", temperature=0, max_completion_tokens=2), OK),
+        # refused, each with its reason; the rest of the batch runs
+        (chat_line("bad-schema", response_format=schema_format("x", {"type": "objectx"})), "invalid_request"),
+        (chat_line("bad-schema-compile", response_format=schema_format(
+            "x", {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}})), "invalid_request"),
+        (chat_line("bad-schema-name", response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+         "invalid_request"),
+        (chat_line("bad-format-type", response_format={"type": "yaml"}), "invalid_request"),
+        (chat_line("bad-tool-choice", tools=CHAT_TOOLS,
+                   tool_choice={"type": "function", "function": {"name": "send_email"}}), "invalid_request"),
+        (chat_line("bad-tool-type", tools=[{"type": "retrieval"}]), "invalid_request"),
+        (chat_line("bad-both", tools=CHAT_TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+         "invalid_request"),
+        (completion_line("bad-logit-id", logit_bias={"999999": 5}), "invalid_request"),
+        (completion_line("bad-logit-value", logit_bias={"5": 500}), "invalid_request"),
+        (responses_line("resp-prev", input="hi", previous_response_id="resp_123"), "unsupported_parameter"),
+        (responses_line("resp-hosted", input="hi", tools=[{"type": "web_search_preview"}]), "unsupported_parameter"),
+        (responses_line("resp-store", input="hi", store=True), "unsupported_parameter"),
+        (responses_line("resp-no-input"), "invalid_request"),
+    ]
+
+
+def build_shapes_input(root: Path) -> dict[tuple[str, int], str]:
+    cases = shapes_cases()
+    root.mkdir(parents=True, exist_ok=True)
+    write_jsonl(root / SHAPES_FILE, [c for c, _ in cases])
+    return {(SHAPES_FILE, i + 1): e for i, (_, e) in enumerate(cases)}

@@ -101,9 +101,9 @@ def validation_context(**settings):
 
 def engine_settings(model: str) -> dict:
     """Engine settings every engine test shares, so each Spark Python worker builds one engine for the whole run."""
-    return dict(model=model, served_model_name=MODEL_NAME, max_model_len=512, max_num_seqs=32, dtype="bfloat16",
+    return dict(model=model, served_model_name=MODEL_NAME, max_model_len=1024, max_num_seqs=32, dtype="bfloat16",
                 enforce_eager=True, kv_cache_memory_bytes=64 << 20, default_max_tokens=8,
-                target_tokens_per_partition=20_000, num_task_slots=2,
+                target_tokens_per_partition=20_000, num_task_slots=2, tool_call_parser="hermes",
                 # a vLLM limit below what validation allows, so a request can make the real engine fail
                 engine_kwargs={"max_logprobs": 3})
 
@@ -135,13 +135,14 @@ class SharedRun:
 
 @pytest.fixture(scope="session")
 def shared_run(spark, tiny_model, tmp_path_factory) -> SharedRun:
-    """The one end-to-end run most job-level tests assert on: ordinary, hostile and fault-injected lines in three
-    files (tests/batch_lines.py), on real Spark, Delta and vLLM."""
-    from batch_lines import build_e2e_input, build_hostile_input
+    """The one end-to-end run most job-level tests assert on: ordinary, hostile, fault-injected and every request
+    shape's lines in four files (tests/batch_lines.py), on real Spark, Delta and vLLM."""
+    from batch_lines import build_e2e_input, build_hostile_input, build_shapes_input
     from spark_llm import BatchConfig, run_batch
 
     root = tmp_path_factory.mktemp("shared")
-    expected = {**build_e2e_input(root / "input"), **build_hostile_input(root / "input")}
+    expected = {**build_e2e_input(root / "input"), **build_hostile_input(root / "input"),
+                **build_shapes_input(root / "input")}
     cfg = BatchConfig(input=str(root / "input"), output_dir=str(root / "out"), batch_id="b-e2e",
                       **engine_settings(tiny_model))
     with capture_logs() as messages:

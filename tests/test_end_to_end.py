@@ -57,7 +57,7 @@ def test_error_rows_are_attributed(spark, run):
     assert cross["custom_id"] == "zh-1" and "line 2 of" in cross["message"] and "a.jsonl" in cross["message"]
     assert errs[("a.jsonl", 11)]["custom_id"] is None and errs[("a.jsonl", 11)]["raw_line"] == "this is not json"
     too_long = errs[("a.jsonl", 24)]
-    assert too_long["custom_id"] == "too-long" and "512" in too_long["message"] and "max_tokens is 8" in too_long["message"]
+    assert too_long["custom_id"] == "too-long" and "1024" in too_long["message"] and "max_tokens is 8" in too_long["message"]
     assert errs[("a.jsonl", 18)]["custom_id"] == "wrong-model"
     engine = errs[("a.jsonl", 26)]
     assert engine["custom_id"] == "engine-reject" and engine["code"] == "engine_error" and "logprobs" in engine["message"]
@@ -73,6 +73,7 @@ def test_custom_ids_are_echoed_exactly(spark, run):
 def test_openai_files_match_the_tables_and_validate(spark, run):
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
+    from openai.types.responses import Response
 
     result, expected, _ = run
     out_lines = [json.loads(x) for x in Path(result.output_file).read_text(encoding="utf-8").splitlines()]
@@ -85,9 +86,11 @@ def test_openai_files_match_the_tables_and_validate(spark, run):
         parsed = BatchOutputLine.model_validate(line)
         assert parsed.error is None and parsed.response.status_code == 200
         body = parsed.response.body
-        model = ChatCompletion if body["object"] == "chat.completion" else Completion
-        obj = model.model_validate(body)
-        assert obj.model == MODEL_NAME and obj.usage.total_tokens == obj.usage.prompt_tokens + obj.usage.completion_tokens
+        model = {"chat.completion": ChatCompletion, "text_completion": Completion, "response": Response}
+        obj = model[body["object"]].model_validate(body)
+        usage = body["usage"]
+        assert obj.model == MODEL_NAME and usage["total_tokens"] == usage.get(
+            "prompt_tokens", usage.get("input_tokens")) + usage.get("completion_tokens", usage.get("output_tokens"))
         assert obj.id.endswith(parsed.response.request_id.split("_", 1)[1])
     for line in err_lines:
         parsed = BatchOutputLine.model_validate(line)
@@ -99,8 +102,9 @@ def test_delta_tables_read_back_like_the_files(spark, run):
     result, _, _ = run
     from_file = (spark.read.text(result.output_file)
                  .select(F.get_json_object("value", "$.custom_id").alias("custom_id"),
-                         F.get_json_object("value", "$.response.body.usage.completion_tokens").cast("long")
-                         .alias("completion_tokens")))
+                         F.coalesce(F.get_json_object("value", "$.response.body.usage.completion_tokens"),
+                                    F.get_json_object("value", "$.response.body.usage.output_tokens"))
+                         .cast("long").alias("completion_tokens")))
     from_table = outputs_df(spark, result).select("custom_id", "completion_tokens")
     assert_df_equality(from_table, from_file, ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)
     errors_from_file = spark.read.text(result.error_file).select(
@@ -128,9 +132,9 @@ def test_responses_content_and_usage(spark, run, tiny_model):
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert row["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))
     for row in rows.values():
-        body = json.loads(row["response_body"])
-        assert body["usage"]["prompt_tokens"] == row["prompt_tokens"]
-        assert body["usage"]["completion_tokens"] == row["completion_tokens"]
+        usage = json.loads(row["response_body"])["usage"]
+        assert usage.get("prompt_tokens", usage.get("input_tokens")) == row["prompt_tokens"]
+        assert usage.get("completion_tokens", usage.get("output_tokens")) == row["completion_tokens"]
     assert rows["chat-greedy"]["completion_tokens"] == 6 and rows["chat-greedy"]["finish_reason"] == "length"
     n2 = json.loads(rows["n2"]["response_body"])
     assert [c["index"] for c in n2["choices"]] == [0, 1] and n2["usage"]["completion_tokens"] <= 8
@@ -149,7 +153,7 @@ def test_batch_object(spark, run):
     parsed = Batch.model_validate(batch)  # openai-python's own model of the batch object
     assert batch == json.loads(result.batch.to_json())
     assert parsed.request_counts.total == result.total and all(isinstance(v, str) for v in parsed.metadata.values())
-    assert parsed.endpoint == "/v1/chat/completions,/v1/completions"  # this batch mixes both
+    assert parsed.endpoint == "/v1/chat/completions,/v1/completions,/v1/responses"  # this batch mixes all three
     outs = outputs_df(spark, result).agg(F.sum("prompt_tokens"), F.sum("completion_tokens")).first()
     assert batch["id"] == "b-e2e" and batch["object"] == "batch" and batch["status"] == "completed"
     assert batch["request_counts"] == {"total": result.total, "completed": result.completed, "failed": result.failed}

@@ -25,7 +25,7 @@ def probe(spec: EngineSpec, prompt_ids: list[int]):
         for pdf in batches:
             with engine_for(spec, None, ProcessSettings(engine_idle_timeout_seconds=0,
                                                         engine_log_level="WARNING")) as engine:
-                [out] = engine.generate([(prompt_ids, {"max_tokens": 6, "temperature": 0})])
+                [out] = engine.generate([(prompt_ids, {"max_tokens": 6, "temperature": 0}, {})])
             yield pd.DataFrame({"worker": [os.getpid()], "slot": [engine.slot.name], "engine": [engine.info["pid"]],
                                 "tokens": [",".join(map(str, out.outputs[0].token_ids))], "rows": [len(pdf)]})
     return run
@@ -33,7 +33,7 @@ def probe(spec: EngineSpec, prompt_ids: list[int]):
 
 def test_one_engine_per_slot_reused_across_tasks_jobs_and_workers(spark, tiny_model, engine_dir):
     # resolved as a run resolves it, so that the slots' engines from the earlier tests serve it (if any ran)
-    spec = EngineSpec.from_config(BatchConfig(**engine_settings(tiny_model)).resolved(max_model_len=512))
+    spec = EngineSpec.from_config(BatchConfig(**engine_settings(tiny_model)).resolved(max_model_len=1024))
     schema = "worker long, slot string, engine long, tokens string, rows long"
     df = spark.range(0, 8, 1, numPartitions=8)
     before = [e for e in read_events(engine_dir) if e["key"] == spec.key and e["event"] == "ready"]

@@ -27,8 +27,8 @@ def skewed_requests(spark, n=3000, seed=7):
         if i < 100:
             plen = 3000
         mt = rng.choice([16, 64, 256])
-        rows.append((f"r{i}", [rng.randrange(50) for _ in range(3)], plen, mt, '{"n": 2}' if i % 50 == 0 else "{}"))
-    df = spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<int>, prompt_tokens long, "
+        rows.append((f"r{i}", [[rng.randrange(50) for _ in range(3)]], plen, mt, '{"n": 2}' if i % 50 == 0 else "{}"))
+    df = spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, prompt_tokens long, "
                                      "max_tokens long, sampling_json string")
     return estimate_cost(df.repartition(3)).persist(StorageLevel.MEMORY_AND_DISK)
 
@@ -57,13 +57,13 @@ def test_balance_evens_out_estimated_tokens(spark):
 
 
 def test_rows_sharing_a_prefix_are_adjacent(spark):
-    rows = [(f"r{i}", [1, 2, 3, i % 3] + [i], 5, 10, "{}") for i in range(30)]
-    df = estimate_cost(spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<int>, "
+    rows = [(f"r{i}", [[1, 2, 3, i % 3] + [i]], 5, 10, "{}") for i in range(30)]
+    df = estimate_cost(spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, "
                                                    "prompt_tokens long, max_tokens long, sampling_json string"))
     df = df.persist()
     try:
         out, plan = balance(df, target_tokens=10_000, slots=1, order_col="custom_id")
-        ids = [r["prompt_token_ids"][3] for r in out.collect()]
+        ids = [r["prompt_token_ids"][0][3] for r in out.collect()]
         assert ids == sorted(ids)
         assert PART_COL in out.columns
     finally:

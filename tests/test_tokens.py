@@ -14,8 +14,12 @@ def tok(tiny_model):
     return get_tokenizer(tiny_model)
 
 
-def chat(text):
-    return json.dumps([{"role": "user", "content": text}])
+def chat(text, **extra):
+    return json.dumps({"messages": [{"role": "user", "content": text}], **extra})
+
+
+def completion(*prompts):
+    return json.dumps(list(prompts))
 
 
 def test_chat_count_uses_the_chat_template(tok, tiny_model):
@@ -24,15 +28,43 @@ def test_chat_count_uses_the_chat_template(tok, tiny_model):
     rendered = tok.apply_chat_template([{"role": "user", "content": "hello world"}], tokenize=False,
                                        add_generation_prompt=True)
     assert rendered.startswith("<|im_start|>user\nhello world<|im_end|>")
-    assert res["prompt_token_ids"] == tok.encode(rendered, add_special_tokens=False)
-    assert res["prompt_tokens"] == len(res["prompt_token_ids"]) and res["error_code"] is None
-    plain = count_row(tok, "completion", json.dumps("hello world"), json.dumps({"max_tokens": 4}), ctx)
-    assert plain["prompt_token_ids"][0] == tok.bos_token_id and plain["prompt_tokens"] < res["prompt_tokens"]
+    assert res["prompt_token_ids"] == [tok.encode(rendered, add_special_tokens=False)]
+    assert res["prompt_tokens"] == len(res["prompt_token_ids"][0]) and res["error_code"] is None
+    plain = count_row(tok, "completion", completion("hello world"), json.dumps({"max_tokens": 4}), ctx)
+    assert plain["prompt_token_ids"][0][0] == tok.bos_token_id and plain["prompt_tokens"] < res["prompt_tokens"]
+
+
+def test_tools_reach_the_chat_template(tok, tiny_model):
+    ctx = TokenContext(tiny_model, max_model_len=512, context_overflow="error")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = count_row(tok, "chat", chat("hi", tools=tools), json.dumps({"max_tokens": 4}), ctx)
+    text = tok.decode(with_tools["prompt_token_ids"][0])
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    assert with_tools["prompt_tokens"] > count_row(tok, "chat", chat("hi"), json.dumps({"max_tokens": 4}),
+                                                   ctx)["prompt_tokens"]
+
+
+def test_a_prompt_list_counts_every_prompt_and_checks_the_longest(tok, tiny_model):
+    ctx = TokenContext(tiny_model, max_model_len=40, context_overflow="error")
+    res = count_row(tok, "completion", completion("a b", [5, 6, 7]), json.dumps({"max_tokens": 4}), ctx)
+    assert [len(p) for p in res["prompt_token_ids"]] == [len(tok.encode("a b")), 3]
+    assert res["prompt_tokens"] == sum(len(p) for p in res["prompt_token_ids"])
+    long = count_row(tok, "completion", completion("a", "data " * 80), json.dumps({"max_tokens": 4}), ctx)
+    assert long["error_code"] == "context_length_exceeded" and "longest prompt" in long["error_message"]
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary(tok, tiny_model):
+    ctx = TokenContext(tiny_model, max_model_len=128, context_overflow="error")
+    ok = count_row(tok, "completion", completion("a"), json.dumps({"max_tokens": 4, "logit_bias": {"5": 1}}), ctx)
+    assert ok["error_code"] is None
+    bad = count_row(tok, "completion", completion("a"),
+                    json.dumps({"max_tokens": 4, "logit_bias": {str(len(tok)): 1}}), ctx)
+    assert bad["error_code"] == "invalid_request" and f"ids 0..{len(tok) - 1}" in bad["error_message"]
 
 
 def test_over_long_request_is_rejected_with_both_numbers(tok, tiny_model):
     ctx = TokenContext(tiny_model, max_model_len=64, context_overflow="error")
-    res = count_row(tok, "completion", json.dumps("data " * 50), json.dumps({"max_tokens": 30}), ctx)
+    res = count_row(tok, "completion", completion("data " * 50), json.dumps({"max_tokens": 30}), ctx)
     assert res["error_code"] == "context_length_exceeded"
     n = res["prompt_tokens"]
     assert f"prompt has {n} tokens" in res["error_message"] and "max_tokens is 30" in res["error_message"]
@@ -41,14 +73,14 @@ def test_over_long_request_is_rejected_with_both_numbers(tok, tiny_model):
 
 def test_truncate_mode_lowers_max_tokens_when_the_prompt_fits(tok, tiny_model):
     ctx = TokenContext(tiny_model, max_model_len=64, context_overflow="truncate")
-    res = count_row(tok, "completion", json.dumps("data " * 20), json.dumps({"max_tokens": 60, "min_tokens": 59}),
+    res = count_row(tok, "completion", completion("data " * 20), json.dumps({"max_tokens": 60, "min_tokens": 59}),
                     ctx)
     assert res["error_code"] is None
     new = 64 - res["prompt_tokens"]
     assert res["max_tokens"] == new and json.loads(res["sampling_json"])["max_tokens"] == new
     assert json.loads(res["sampling_json"])["min_tokens"] == new
     assert res["notes"] == f"max_tokens lowered from 60 to {new} to fit max_model_len 64"
-    too_long = count_row(tok, "completion", json.dumps("data " * 100), json.dumps({"max_tokens": 5}), ctx)
+    too_long = count_row(tok, "completion", completion("data " * 100), json.dumps({"max_tokens": 5}), ctx)
     assert too_long["error_code"] == "context_length_exceeded"
 
 
@@ -62,5 +94,5 @@ def test_huge_prompt_is_rejected_after_bounded_work(tok, tiny_model):
 
 def test_token_id_prompts_outside_the_vocabulary(tok, tiny_model):
     ctx = TokenContext(tiny_model, max_model_len=128, context_overflow="error")
-    res = count_row(tok, "completion", json.dumps([1, 2, 10**6]), json.dumps({"max_tokens": 4}), ctx)
+    res = count_row(tok, "completion", completion([1, 2, 10**6]), json.dumps({"max_tokens": 4}), ctx)
     assert res["error_code"] == "invalid_request" and "vocabulary" in res["error_message"]

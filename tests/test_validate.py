@@ -9,7 +9,8 @@ import pytest
 
 from conftest import chat_line, completion_line, validation_context
 from spark_llm.schemas import VALIDATED_FIELDS
-from spark_llm.validate import ValidationContext, sampling_params, validate_line
+from spark_llm.endpoints import chat
+from spark_llm.validate import ValidationContext, validate_line
 
 CTX = validation_context(default_max_tokens=32, max_line_bytes=4096,
                         max_raw_line_chars=50)
@@ -37,7 +38,7 @@ def test_valid_chat_request_is_normalised():
     row = check(chat_line("id-1", temperature=0, max_tokens=5, stop="\n", seed=3, user="u1"))
     assert row["error_code"] is None and row["error_message"] is None and row["raw_line"] is None
     assert row["custom_id"] == "id-1" and row["url"] == "/v1/chat/completions" and row["kind"] == "chat"
-    assert json.loads(row["prompt_json"]) == [{"role": "user", "content": "Hello there"}]
+    assert json.loads(row["prompt_json"]) == {"messages": [{"role": "user", "content": "Hello there"}]}
     assert json.loads(row["sampling_json"]) == {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "stop": ["\n"],
                                                 "seed": 3}
     assert row["max_tokens"] == 5 and json.loads(row["request"])["custom_id"] == "id-1"
@@ -46,7 +47,7 @@ def test_valid_chat_request_is_normalised():
 def test_valid_completion_request_and_defaults():
     row = check(completion_line("c-1", prompt="Hi"))
     assert row["error_code"] is None and row["kind"] == "completion"
-    assert json.loads(row["prompt_json"]) == "Hi"
+    assert json.loads(row["prompt_json"]) == ["Hi"]
     assert json.loads(row["sampling_json"]) == {"max_tokens": 32, "temperature": 1.0, "top_p": 1.0}
 
 
@@ -155,8 +156,14 @@ def test_model_must_be_the_served_name(model, code):
     ([{"role": "user", "content": 5}], "invalid_request"),
     ([{"role": "user", "content": []}], "invalid_request"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "unsupported_parameter"),
-    ([{"role": "user", "content": "x", "tool_calls": []}], "unsupported_parameter"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], "invalid_request"),
+    ([{"role": "user", "content": "x", "audio": {}}], "unsupported_parameter"),
     ([{"role": "tool", "content": "x"}], "invalid_request"),
+    ([{"role": "tool", "content": "x", "tool_call_id": "call_1"}], None),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], None),
+    ([{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]}],
+     "invalid_request"),
 ])
 def test_messages_rules(messages, code):
     assert code_of(with_body(messages=messages)) == code
@@ -169,13 +176,13 @@ def test_missing_messages_and_text_parts():
     row = check(with_body(messages=[{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                       {"type": "text", "text": "b"}]}]))
     assert row["error_code"] is None
-    assert json.loads(row["prompt_json"]) == [{"role": "system", "content": "a\nb"}]
+    assert json.loads(row["prompt_json"]) == {"messages": [{"role": "system", "content": "a\nb"}]}
 
 
 @pytest.mark.parametrize("prompt,code", [
     ("", "invalid_request"), (None, "invalid_request"), (5, "invalid_request"), ([], "invalid_request"),
-    (["a", "b"], "unsupported_parameter"), ([1, -2], "invalid_request"),
-    (["single"], None), ([1, 2, 3], None),
+    ([1, -2], "invalid_request"), (["a", ""], "invalid_request"), ([["a"]], "invalid_request"),
+    (["single"], None), ([1, 2, 3], None), (["a", "b"], None), (["a", [1, 2]], None),
 ])
 def test_completion_prompt_rules(prompt, code):
     assert check(completion_line("p", prompt=prompt))["error_code"] == code
@@ -184,8 +191,13 @@ def test_completion_prompt_rules(prompt, code):
 @pytest.mark.parametrize("changes,code", [
     ({"stream": True}, "unsupported_parameter"),
     ({"stream": False}, None),
-    ({"tools": []}, "unsupported_parameter"),
-    ({"response_format": {"type": "json_object"}}, "unsupported_parameter"),
+    ({"tools": []}, "invalid_request"),
+    ({"response_format": {"type": "json_object"}}, None),
+    ({"logit_bias": {"5": -100, "7": 2.5}}, None),
+    ({"logit_bias": {"five": 1}}, "invalid_request"),
+    ({"logit_bias": {"5": 101}}, "invalid_request"),
+    ({"logit_bias": [1]}, "invalid_request"),
+    ({"functions": [{"name": "f"}]}, "unsupported_parameter"),
     ({"metadata": {"a": "b"}, "user": "x", "store": False}, None),
     ({"temperature": "hot"}, "invalid_request"),
     ({"temperature": -0.1}, "invalid_request"),
@@ -230,11 +242,12 @@ def test_openai_to_vllm_sampling_mapping():
     body = {"max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["x", "y"], "seed": 5,
             "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": True, "top_logprobs": 3, "top_k": 40,
             "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True}
-    assert sampling_params(body, "chat", CTX) == {
+    body.update(model="tiny-llm", messages=[{"role": "user", "content": "x"}], logit_bias={"5": -100})
+    assert chat.check(body, CTX).sampling == {
         "max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["x", "y"], "seed": 5,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": 3, "top_k": 40, "min_p": 0.1,
-        "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True}
-    assert sampling_params({"logprobs": True}, "chat", CTX)["logprobs"] == 0
+        "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True, "logit_bias": {"5": -100.0}}
+    assert chat.check({**body, "top_logprobs": None}, CTX).sampling["logprobs"] == 0
 
 
 def test_error_rows_keep_custom_id_and_a_bounded_raw_line():

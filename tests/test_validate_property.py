@@ -49,7 +49,7 @@ lines = st.one_of(
 def _check_row(row: dict, raw: bytes) -> None:
     assert set(row) == set(VALIDATED_FIELDS)
     if row["error_code"] is None:
-        assert row["custom_id"] and row["kind"] in ("chat", "completion") and row["request"]
+        assert row["custom_id"] and row["kind"] in ("chat", "completion", "responses") and row["request"]
         json.loads(row["prompt_json"]), json.loads(row["sampling_json"])
         assert row["max_tokens"] >= 1
     else:

@@ -1,0 +1,98 @@
+"""``/v1/completions``: one prompt or a list of prompts (strings or token ids); the answer is a complete OpenAI
+``Completion`` with ``n`` choices per prompt in OpenAI's order (prompt 0's choices, then prompt 1's ...)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import common
+from .common import Answer, Checked, Reply, invalid, number
+
+URL = "/v1/completions"
+KIND = "completion"
+PARSE_REASONING = False  #: completions return the raw text, as vLLM's server does
+FIELDS = (common.SAMPLING_FIELDS | common.HARMLESS_FIELDS
+          | {"prompt", "max_tokens", "n", "stop", "logprobs", "response_format"})
+#: Most prompts one line may hold (OpenAI: 2048).
+MAX_PROMPTS = 2048
+
+
+def check(body: dict, ctx: Any) -> Checked:
+    common.check_fields(body, FIELDS, URL)
+    prompts = _prompts(body.get("prompt"))
+    sp = common.sampling(body, ctx, ("max_tokens",))
+    if body.get("n") is not None:
+        sp["n"] = number(body, "n", 1, ctx.max_n, integer=True)
+    stops = common.stop_sequences(body, ctx)
+    if stops:
+        sp["stop"] = stops
+    options: dict[str, Any] = {}
+    if body.get("logprobs") is not None:
+        sp["logprobs"] = options["logprobs"] = number(body, "logprobs", 0, 5, integer=True)
+    answer_format = common.response_format(body.get("response_format"), "body.response_format", ctx)
+    if answer_format:  # a vLLM extension of the completions API
+        sp["structured_outputs"] = answer_format
+    return Checked(prompts, sp, options)
+
+
+def render(tokenizer: Any, prompts: list, char_limit: Optional[int] = None) -> tuple[list[list[int]], bool]:
+    """Token ids per prompt: text prompts encoded with the tokenizer's special tokens (BOS), id prompts as given."""
+    out, cut_any = [], False
+    for p in prompts:
+        if isinstance(p, list):
+            out.append([int(t) for t in p])
+            continue
+        cut = char_limit is not None and len(p) > char_limit
+        out.append(tokenizer.encode(p[:char_limit] if cut else p, add_special_tokens=True))
+        cut_any = cut_any or cut
+    return out, cut_any
+
+
+def respond(outputs: list, reply: Reply) -> Answer:
+    k = reply.options.get("logprobs")
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for p, out in enumerate(outputs):
+        prompt_tokens += len(out.prompt_token_ids)
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({"index": p * len(out.outputs) + c.index, "text": c.text,
+                            "logprobs": _completion_logprobs(c, k),
+                            "finish_reason": common.finish_reason(c.finish_reason)})
+    body = {"id": f"cmpl-{common.id_suffix(reply.request_id)}", "object": "text_completion",
+            "created": reply.created, "model": reply.model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "system_fingerprint": None}
+    return Answer(body, choices[0]["text"], choices[0]["finish_reason"], prompt_tokens, completion_tokens)
+
+
+def _prompts(prompt: Any) -> list:
+    if prompt is None:
+        raise invalid(f"body.prompt is required for {URL}")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(common.is_int(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid("body.prompt must be a non-empty string, a list of token ids, or a list of either")
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid(f"body.prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed per request")
+    for j, p in enumerate(prompt):
+        where = "body.prompt" if len(prompt) == 1 else f"body.prompt[{j}]"
+        if isinstance(p, str):
+            if p == "":
+                raise invalid(f"{where} must not be empty")
+        elif not (isinstance(p, list) and p and all(common.is_int(t) and t >= 0 for t in p)):
+            raise invalid(f"{where} must be a non-empty string or a list of non-negative token ids")
+    return prompt
+
+
+def _completion_logprobs(choice: Any, k: Optional[int]) -> Optional[dict]:
+    if choice.logprobs is None or k is None:
+        return None
+    tokens, token_lps, top, offsets, offset = [], [], [], [], 0
+    for token, lp, tops in common.token_positions(choice, k):
+        tokens.append(token)
+        token_lps.append(lp)
+        top.append({t.decoded_token or "": float(t.logprob) for t in tops})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
