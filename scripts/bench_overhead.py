@@ -3,7 +3,8 @@
 
 (a) raw: one process, one ``LLM.generate`` call over all prompts (chat template applied with the same tokenizer);
 (b) job: ``run_batch`` on local Spark with the same engine settings (read, validate, count, plan, infer, Delta +
-JSONL writes, report). Prints wall times, tokens/s and the ratio; the last line is ``overhead_ratio=<job/raw>``.
+JSONL writes, report). Prints wall times, tokens/s, the job's engine ``busy_fraction=`` (engine time / (engine slots
+x inference wall)) and the ratio; the last line is ``overhead_ratio=<job/raw>``.
 
     python scripts/bench_overhead.py --requests 5000                       # CPU, tiny model built on the fly
     python scripts/bench_overhead.py --model /models/llama-3.1-8b --dtype bfloat16 --max-num-seqs 256 --slots 1
@@ -147,6 +148,7 @@ def main(argv=None) -> int:
     print(f"{'spark_llm job (' + str(args.slots) + ' engine(s), all I/O)':<34}{job_s:>9.1f}{job_tokens:>10}"
           f"{job_tokens / job_s:>10.0f}")
     print(f"completed={result.completed} failed={result.failed}")
+    print(f"busy_fraction={(result.batch.partition_plan or {}).get('busy_fraction')}")
     print(f"overhead_ratio={job_s / raw_s:.3f}")
     return 0
 

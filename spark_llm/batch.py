@@ -149,8 +149,13 @@ class BatchResult:
 
     def summary(self) -> str:
         resumed = f" ({self.skipped} already answered before this run)" if self.skipped else ""
+        plan = self.batch.partition_plan or {}
+        busy = plan.get("busy_fraction")
+        engines = (f"  engines busy {busy:.1%} of slot time ({plan['engine_seconds']:.1f} s engine time over "
+                   f"{plan['inference_wall_seconds']:.1f} s of inference, {plan['runs']} run(s))\n"
+                   if busy is not None else "")
         return (f"batch {self.batch_id}: {self.status}; {self.total} requests, {self.completed} completed, "
-                f"{self.failed} failed{resumed}; tokens in {self.input_tokens}, out {self.output_tokens}\n"
+                f"{self.failed} failed{resumed}; tokens in {self.input_tokens}, out {self.output_tokens}\n{engines}"
                 f"  outputs table: {self.outputs_table}\n  errors table:  {self.errors_table}\n"
                 f"  output file:   {self.output_file}\n  error file:    {self.error_file}\n"
                 f"  batch object:  {self.batch_file}")

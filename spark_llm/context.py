@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -53,6 +54,7 @@ class RunContext:
     created_at: int      #: the batch's creation time (kept across --resume runs)
     started: float       #: when this run started (time.time())
     metrics: Any         #: Spark accumulator of per-partition records (see metrics.py)
+    run_id: str          #: this run of the batch (each --resume run is a new one)
 
     @classmethod
     def start(cls, spark: SparkSession, config: BatchConfig) -> "RunContext":
@@ -60,7 +62,7 @@ class RunContext:
         paths = RunPaths.from_config(cfg)
         created_at = (_previous_created_at(spark, paths.batch_file) if cfg.resume else None) or int(time.time())
         return cls(spark=spark, cfg=cfg, paths=paths, created_at=created_at, started=time.time(),
-                   metrics=spark.sparkContext.accumulator([], ListParam()))
+                   metrics=spark.sparkContext.accumulator([], ListParam()), run_id=uuid.uuid4().hex[:12])
 
     @property
     def gpu_profile(self) -> Any:

@@ -39,6 +39,27 @@ def latest_records(records: list[dict]) -> list[dict]:
     return [best[k] for k in sorted(best)]
 
 
+def engine_usage(records: list[dict]) -> dict[str, Any]:
+    """How busy the engines were over a batch's partitions (of one run or of all its runs: records carry their
+    ``run_id`` and ``task_slots``): ``busy_fraction`` = engine seconds / (engine slots x inference wall time), where
+    a run's inference wall runs from its first partition's start to its last partition's end."""
+    runs: dict[str, list[dict]] = {}
+    for rec in records:
+        runs.setdefault(str(rec.get("run_id")), []).append(rec)
+    engine_s = sum(float(r["engine_seconds"] or 0) for r in records)
+    wall = capacity = 0.0
+    for recs in runs.values():
+        span = max(r["finished_at"] for r in recs) - min(r["started_at"] for r in recs)
+        slots = max(int(r.get("task_slots") or 0) for r in recs) or len({r.get("engine_slot") for r in recs})
+        wall += span
+        capacity += span * slots
+    tokens = sum(int(r["prompt_tokens"] or 0) + int(r["completion_tokens"] or 0) for r in records)
+    return {"runs": len(runs), "partitions_run": len(records), "engine_seconds": round(engine_s, 3),
+            "inference_wall_seconds": round(wall, 3),
+            "busy_fraction": round(engine_s / capacity, 4) if capacity > 0 else None,
+            "engine_tokens_per_second": round(tokens / engine_s, 1) if engine_s > 0 else None}
+
+
 def _fmt_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

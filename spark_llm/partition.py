@@ -176,7 +176,8 @@ def materialize(assigned: DataFrame, first: int, count: int) -> DataFrame:
     wave = assigned.where(F.col(PART_COL).between(first, first + count - 1))
     keyed = wave.join(F.broadcast(_hash_keys(spark, count, first)), PART_COL)
     return (keyed.repartition(count, "_key")
-            .sortWithinPartitions(F.slice(F.col("prompt_token_ids")[0], 1, _PREFIX_TOKENS), F.col("prompt_tokens").desc())
+            .sortWithinPartitions(F.slice(F.col("prompt_token_ids")[0], 1, _PREFIX_TOKENS),
+                                  F.col("prompt_tokens").desc())
             .drop("_key"))
 
 

@@ -1,5 +1,5 @@
-"""The report stage: the batch's counts, usage and errors from its tables (Spark aggregates, a row or a few each),
-then batch.json, the metrics table and report.html."""
+"""The report stage: the batch's counts, usage and errors from its tables (Spark aggregates, a row or a few each)
+and its engine usage over all its runs from the metrics table, then batch.json and report.html."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from pyspark.sql import functions as F
 from . import report_html, storage, write
 from .batch import BatchError, BatchErrors, BatchObject, BatchResult, Tally
 from .context import RunContext
-from .metrics import latest_records
-from .schemas import METRICS_COLUMNS
+from .metrics import engine_usage
 
 log = logging.getLogger(__name__)
 
@@ -73,22 +72,31 @@ class Outcome:
 
 
 def finish(run: RunContext, outcome: Outcome) -> BatchResult:
-    """The OpenAI files from the tables, then the metrics table, batch.json and report.html."""
+    """The OpenAI files from the tables, then batch.json and report.html."""
     run.describe("write OpenAI files, batch.json and the report")
     write.write_openai_files(run)
     outputs, errors = write.outputs(run), write.errors(run)
+    records = batch_records(run)
+    plan = {**(outcome.plan or {}), **engine_usage(records)} if records else outcome.plan
     batch = BatchObject.completed(run, tally(outputs, errors), unattributed_errors(errors), endpoint_of(outputs),
-                                  outcome.plan, outcome.in_progress_at)
-    records = latest_records(run.metrics.value)
-    if records:
-        storage.append_records(run.spark, [{**r, "batch_id": run.batch_id} for r in records],
-                               run.paths.metrics_table, METRICS_COLUMNS)
+                                  plan, outcome.in_progress_at)
     storage.write_text_atomic(run.spark, run.paths.batch_file, batch.to_json())
     storage.write_text_atomic(run.spark, run.paths.report_file, report_html.render(
         batch.model_dump(), records, prompt_histogram(outputs), errors_by_code(errors), time.time() - run.started))
     result = BatchResult(batch=batch, paths=run.paths, skipped=outcome.skipped)
     log.info("%s", result.summary())
     return result
+
+
+def batch_records(run: RunContext) -> list[dict]:
+    """The partition records of every run of the batch (committed wave by wave: see write.commit_metrics), so a
+    resumed batch is reported whole. One small row per partition, never request rows."""
+    if not storage.table_exists(run.spark, run.paths.metrics_table):
+        return []
+    rows = (storage.read_table(run.spark, run.paths.metrics_table).where(F.col("batch_id") == run.batch_id)
+            .orderBy("started_at").collect())
+    return [{**r.asDict(), "started_at": r["started_at"].timestamp(), "finished_at": r["finished_at"].timestamp()}
+            for r in rows]
 
 
 def write_failed_batch(run: RunContext, exc: BaseException) -> None:

@@ -11,7 +11,7 @@ import html
 import io
 import json
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import Any
 
 PLOTS = ("prompt-length histogram", "estimated tokens per partition", "throughput per partition",
          "timeline of partitions")
@@ -32,7 +32,7 @@ def _figure() -> tuple[Any, Any]:
     return fig, fig.subplots()
 
 
-def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list[dict]) -> dict[str, str]:
+def _plots(histogram: list[tuple[int, int]], plan: dict, metrics: list[dict]) -> dict[str, str]:
     from matplotlib.ticker import MaxNLocator
 
     out = {}
@@ -47,7 +47,7 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
     out[PLOTS[0]] = _png(fig)
 
     fig, ax = _figure()
-    tokens = (plan or {}).get("tokens_per_partition") or []
+    tokens = plan.get("tokens_per_partition") or []
     ax.bar(range(len(tokens)), tokens, color="#55a868")
     if tokens:
         ax.axhline(sum(tokens) / len(tokens), color="black", linestyle="--", linewidth=1, label="mean")
@@ -55,7 +55,7 @@ def _plots(histogram: list[tuple[int, int]], plan: Optional[dict], metrics: list
     ax.set_xlabel("partition")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("estimated tokens")
-    ax.set_title(f"Balance (max/mean {(plan or {}).get('balance_ratio', 1.0)})")
+    ax.set_title(f"Balance (max/mean {plan.get('balance_ratio', 1.0)})")
     out[PLOTS[1]] = _png(fig)
 
     fig, ax = _figure()
@@ -86,19 +86,25 @@ def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], e
            wall_seconds: float) -> str:
     """The report as one HTML string, from the batch object (as a dict), one metrics record per partition, the
     prompt-length histogram and the error counts."""
-    plan = batch.get("partition_plan")
+    plan = batch.get("partition_plan") or {}
     counts, usage = batch["request_counts"], batch["usage"]
-    engine_s = sum(m["engine_seconds"] for m in metrics)
+    inference_wall = plan.get("inference_wall_seconds")
+    busy = plan.get("busy_fraction")
     rows = [
         ("batch", batch["id"]), ("status", batch["status"]), ("model", batch.get("model")),
         ("requests", counts["total"]), ("completed", counts["completed"]), ("failed", counts["failed"]),
         ("input tokens", usage["input_tokens"]), ("output tokens", usage["output_tokens"]),
-        ("wall time", f"{wall_seconds:.1f} s"),
-        ("throughput (wall)", f"{usage['total_tokens'] / wall_seconds:.1f} tokens/s" if wall_seconds else "-"),
-        ("engine time (sum over partitions)", f"{engine_s:.1f} s"),
+        ("runs of this batch", plan.get("runs", 1)),
+        ("wall time of this run", f"{wall_seconds:.1f} s"),
+        ("inference wall time (all runs)", f"{inference_wall:.1f} s" if inference_wall else "-"),
+        ("throughput (inference wall)",
+         f"{usage['total_tokens'] / inference_wall:.1f} tokens/s" if inference_wall else "-"),
+        ("engine time (sum over partitions)", f"{plan.get('engine_seconds', 0.0):.1f} s"),
+        ("engine busy fraction (engine time / (slots x inference wall))", f"{busy:.1%}" if busy is not None else "-"),
         ("engine loads", sum(1 for m in metrics if m["engine_load_seconds"] > 0)),
-        ("partitions", (plan or {}).get("num_partitions", 0)),
-        ("balance max/mean", (plan or {}).get("balance_ratio", "-")),
+        ("partitions inferred (all runs)", len(metrics)),
+        ("partitions planned (this run)", plan.get("num_partitions", 0)),
+        ("balance max/mean (this run)", plan.get("balance_ratio", "-")),
     ]
     summary = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     errors = "".join(f"<tr><td>{html.escape(c)}</td><td>{n}</td></tr>"

@@ -36,7 +36,8 @@ TOKENIZED_SCHEMA = T.StructType(VALIDATED_SCHEMA.fields + [
 RESULT_SCHEMA = _struct(
     ("id", S, False), ("custom_id", S, True), ("file", S, True), ("line_number", L, True), ("endpoint", S, True),
     ("request_id", S, True), ("model", S, True), ("text", S, True), ("finish_reason", S, True),
-    ("tool_calls", S, True), ("reasoning", S, True), ("prompt_tokens", L, True), ("completion_tokens", L, True), ("total_tokens", L, True), ("created", L, True),
+    ("tool_calls", S, True), ("reasoning", S, True), ("prompt_tokens", L, True), ("completion_tokens", L, True),
+    ("total_tokens", L, True), ("created", L, True),
     ("response_body", S, True), ("request", S, True), ("notes", S, True), ("error_code", S, True),
     ("error_message", S, True),
 )
@@ -84,7 +85,9 @@ ERRORS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
 
 #: Column -> comment of the metrics table, one row per inference partition (see metrics.py).
 METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
-    "batch_id": (S, "Batch run the partition belongs to"),
+    "batch_id": (S, "Batch the partition belongs to"),
+    "run_id": (S, "Run of the batch (a --resume run is a new run) that inferred the partition"),
+    "task_slots": (L, "Inference task slots (engines) the run planned for; busy_fraction's denominator"),
     "wave": (L, "Wave (Delta commit) number, from 1"),
     "partition": (L, "Planned partition index"),
     "worker_pid": (L, "Python worker process that ran the partition"),

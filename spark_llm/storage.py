@@ -224,7 +224,8 @@ def append_records(spark: SparkSession, records: list[dict], table: str, columns
 
     data = [tuple(cell(t, r.get(n)) for n, (t, _) in columns.items()) for r in records]
     df = conform(spark.createDataFrame(data, table_schema(columns)), columns)
-    _save(df.write.format("delta").mode("append").partitionBy("batch_id"), table)
+    # mergeSchema: a table made by an earlier version of spark_llm gains the newer columns
+    _save(df.write.format("delta").mode("append").option("mergeSchema", "true").partitionBy("batch_id"), table)
 
 
 def delete_rows(spark: SparkSession, table: str, condition: Column) -> None:

@@ -16,7 +16,7 @@ from . import storage
 from .config import ConfigError
 from .context import RunContext
 from .errors import ErrorCode
-from .schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, json_string
+from .schemas import ERRORS_COLUMNS, METRICS_COLUMNS, OUTPUTS_COLUMNS, json_string
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,15 @@ def commit_results(run: RunContext, results: DataFrame, responses: int, errors: 
         storage.insert_new(output_rows(results, run), run.paths.outputs_table, OUTPUTS_COLUMNS, run.batch_id)
     if errors:
         insert_errors(run, error_rows(results, run))
+
+
+def commit_metrics(run: RunContext, records: list[dict], task_slots: int) -> None:
+    """A committed wave's partition records (one small row each) into the metrics table, so that the table, the
+    report and batch.json describe every run of the batch, including one that crashed after this wave."""
+    if records:
+        storage.append_records(run.spark, [{**r, "batch_id": run.batch_id, "run_id": run.run_id,
+                                            "task_slots": task_slots} for r in records],
+                               run.paths.metrics_table, METRICS_COLUMNS)
 
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------

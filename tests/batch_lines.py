@@ -228,7 +228,8 @@ def shapes_cases() -> list[tuple[dict, str]]:
         # refused, each with its reason; the rest of the batch runs
         (chat_line("bad-schema", response_format=schema_format("x", {"type": "objectx"})), "invalid_request"),
         (chat_line("bad-schema-compile", response_format=schema_format(
-            "x", {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}})), "invalid_request"),
+            "x", {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}})),
+         "invalid_request"),
         (chat_line("bad-schema-name", response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
          "invalid_request"),
         (chat_line("bad-format-type", response_format={"type": "yaml"}), "invalid_request"),

@@ -191,6 +191,12 @@ def test_metrics_table_agrees_with_the_outputs(spark, run):
     assert sum(m["completion_tokens"] for m in metrics) == outs[1] == result.batch.usage.output_tokens
     assert sum(json.loads(m["errors_by_code"]).get("engine_error", 0) for m in metrics) == 1
     assert all(m["engine_seconds"] > 0 and m["finished_at"] >= m["started_at"] for m in metrics)
+    # busy fraction: engine seconds over (task slots x the run's inference wall), one run
+    assert len({m["run_id"] for m in metrics}) == 1 and {m["task_slots"] for m in metrics} == {plan["task_slots"]}
+    wall = max(m["finished_at"] for m in metrics).timestamp() - min(m["started_at"] for m in metrics).timestamp()
+    busy = sum(m["engine_seconds"] for m in metrics) / (plan["task_slots"] * wall)
+    assert plan["runs"] == 1 and plan["busy_fraction"] == pytest.approx(busy, abs=1e-3) and 0 < busy <= 1
+    assert f"engines busy {busy:.1%}" in result.summary()
 
 
 def test_report_html_has_the_summary_and_plots(run):
@@ -201,6 +207,8 @@ def test_report_html_has_the_summary_and_plots(run):
         assert f'alt="{name}" src="data:image/png;base64,' in page
     invalid_json = sum(1 for outcome in expected.values() if outcome == "invalid_json")
     assert "<td>engine_error</td><td>1</td>" in page and f"<td>invalid_json</td><td>{invalid_json}</td>" in page
+    busy = result.batch.partition_plan["busy_fraction"]
+    assert f"<th>engine busy fraction (engine time / (slots x inference wall))</th><td>{busy:.1%}</td>" in page
 
 
 def test_progress_line_in_driver_log(run, shared_run):

@@ -179,8 +179,15 @@ def test_crash_after_first_wave_then_resume_is_exactly_once(spark, tiny_model, t
     assert json.loads(Path(resumed.batch_file).read_text())["request_counts"] == {"total": 8, "completed": 6,
                                                                                   "failed": 2}
 
+    # the report describes the whole batch: the crashed run's committed wave and the resumed run's waves
+    metrics = spark.read.format("delta").load(str(out / "delta/metrics")).collect()
+    plan = resumed.batch.partition_plan
+    assert plan["runs"] == 2 == len({m["run_id"] for m in metrics})
+    assert plan["partitions_run"] == len(metrics) and sum(m["rows"] for m in metrics) == 7  # 6 answered + 1 rejected
+
     done = run_batch(spark, BatchConfig(**cfg))  # a finished batch: nothing new
     assert done.skipped == 8 and done.completed == 6 and done.failed == 2
+    assert done.batch.partition_plan["runs"] == 2 and done.batch.partition_plan["engine_seconds"] > 0
     retried = run_batch(spark, BatchConfig(**{**cfg, "retry_errors": True}))  # the engine error runs again, once
     assert retried.skipped == 7
     assert spark.read.format("delta").load(resumed.errors_table).count() == 2

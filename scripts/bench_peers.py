@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""spark_llm side by side with what a user would pick instead, on the same OpenAI batch file, in one run.
+
+(a) raw: one ``vllm.LLM`` in this process, one ``generate`` call over the pre-tokenized prompts (the limit: no
+    reading, no validation, no writing; engine load not counted);
+(b) vLLM's own batch runner, whole process: ``python -m vllm.entrypoints.openai.run_batch -i FILE -o OUT --model ..``;
+(c) spark_llm, whole process: ``spark-llm run`` on local Spark (session start, read, validate, count, plan, infer,
+    Delta + JSONL writes, report).
+
+Same model, engine settings, requests and cores for all three ((b) and (a): one engine with every core; (c): one
+engine per task slot, cores split between them). Prints a table and the ratios ``vs_raw=`` (spark_llm wall / raw
+wall) and ``vs_run_batch=`` (run_batch wall / spark_llm wall; above 1 means spark_llm is faster).
+
+    python scripts/bench_peers.py --requests 2000                    # CPU, tiny model built on the fly
+    python scripts/bench_peers.py --requests 20000 --mix gen         # short, medium and long prompts
+    # on a GPU node (ordinary vllm installed), an 8B model:
+    python scripts/bench_peers.py --model /models/llama-3.1-8b --requests 20000 --max-num-seqs 256 \\
+        --master local[1] --slots 1 --no-enforce-eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+WORDS = "the batch model token prompt spark data table output review product customer engine 数据 模型 推理".split()
+
+
+def write_requests(path: Path, n: int, model: str, max_tokens: int, mix: str, seed: int = 0) -> None:
+    """``n`` chat requests, one line at a time: ``short`` 5-120 words; ``gen`` 60% short, 30% ~300, 10% ~900 words."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            if mix == "gen":
+                words = rng.choice([rng.randint(5, 120)] * 6 + [rng.randint(250, 350)] * 3 + [rng.randint(800, 1000)])
+            else:
+                words = rng.randint(5, 120)
+            body = {"model": model, "messages": [{"role": "user", "content": " ".join(rng.choices(WORDS, k=words))}],
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}, ensure_ascii=False) + "\n")
+
+
+def timed(cmd: list[str], env: dict, log: Path) -> float:
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        sys.exit(f"{cmd[:4]} failed with exit code {proc.returncode}; see {log}")
+    return wall
+
+
+def raw_generate(model: str, input_path: Path, engine: dict, max_tokens: int) -> tuple[float, int]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, distributed_executor_backend="uni", seed=0, **engine)
+    tok = llm.get_tokenizer()
+    lines = [json.loads(x) for x in input_path.read_text(encoding="utf-8").splitlines()]
+    prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(r["body"]["messages"], tokenize=False,
+                                                                       add_generation_prompt=True),
+                                               add_special_tokens=False)} for r in lines]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.monotonic() - t0
+    tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
+    from spark_llm.engine import shutdown_engine
+
+    shutdown_engine(llm)
+    return wall, tokens
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--mix", choices=["short", "gen"], default="short")
+    p.add_argument("--model", default=None, help="model directory (default: build the tiny model)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--master", default="local[2]")
+    p.add_argument("--slots", type=int, default=2, help="spark_llm's engines (task slots)")
+    p.add_argument("--skip", choices=["raw", "run_batch", "spark_llm"], action="append", default=[])
+    args = p.parse_args(argv)
+    from spark_llm.engine import apply_worker_env
+
+    apply_worker_env()
+    work = Path(tempfile.mkdtemp(prefix="bench_peers."))
+    model = args.model
+    if model is None:
+        from make_tiny_model import build_model
+
+        model = str(build_model(work / "tiny-llm"))
+    name = Path(model).name
+    input_path = work / "requests.jsonl"
+    write_requests(input_path, args.requests, name, args.max_tokens, args.mix)
+    engine = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+              "enforce_eager": args.enforce_eager}
+    env = dict(os.environ)
+    results: dict[str, tuple[float, str]] = {}
+
+    if "raw" not in args.skip:
+        wall, tokens = raw_generate(model, input_path, engine, args.max_tokens)
+        results["raw"] = (wall, f"{tokens / wall:.0f}")
+    if "run_batch" not in args.skip:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(input_path),
+               "-o", str(work / "run_batch.out.jsonl"), "--model", model, "--served-model-name", name,
+               "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+               "--max-model-len", str(args.max_model_len), "--seed", "0"]
+        if args.enforce_eager:
+            cmd.append("--enforce-eager")
+        results["run_batch"] = (timed(cmd, env, work / "run_batch.log"), "-")
+    if "spark_llm" not in args.skip:
+        threads = max(1, (os.cpu_count() or 1) // args.slots)  # the same cores, split between the engines
+        cmd = [str(Path(sys.executable).parent / "spark-llm"), "run", "--input", str(input_path),
+               "--output-dir", str(work / "spark_llm_out"), "--model", model, "--batch-id", "peers",
+               "--master", args.master, "--num-task-slots", str(args.slots), "--dtype", args.dtype,
+               "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+               "--default-max-tokens", str(args.max_tokens)]
+        cmd.append("--enforce-eager" if args.enforce_eager else "--no-enforce-eager")
+        conf = work / "peers.yaml"  # the session's settings (a YAML file's spark: section)
+        conf.write_text(f"spark:\n  spark.executorEnv.OMP_NUM_THREADS: '{threads}'\n  spark.ui.enabled: 'false'\n")
+        wall = timed(cmd + ["--config", str(conf)], env, work / "spark_llm.log")
+        batch = json.loads((work / "spark_llm_out" / "batch.json").read_text())
+        tokens = batch["usage"]["total_tokens"]
+        results["spark_llm"] = (wall, f"{tokens / wall:.0f}")
+        print(f"busy_fraction={batch['partition_plan'].get('busy_fraction')}")
+
+    print(f"requests={args.requests} mix={args.mix} max_tokens={args.max_tokens} model={name} "
+          f"cores={os.cpu_count()} work={work}")
+    print(f"{'run':<44}{'wall s':>9}{'tokens/s':>10}")
+    labels = {"raw": "(a) raw LLM.generate, 1 engine (no I/O)", "run_batch": "(b) vllm run_batch, whole process",
+              "spark_llm": f"(c) spark-llm run, whole process, {args.slots} engine(s)"}
+    for key, (wall, tps) in results.items():
+        print(f"{labels[key]:<44}{wall:>9.1f}{tps:>10}")
+    if "spark_llm" in results and "raw" in results:
+        print(f"vs_raw={results['spark_llm'][0] / results['raw'][0]:.3f}")
+    if "spark_llm" in results and "run_batch" in results:
+        print(f"vs_run_batch={results['run_batch'][0] / results['spark_llm'][0]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Engine usage over a batch's partition records: the busy fraction is engine time over the slots' inference wall,
+run by run, so gaps between runs of a resumed batch are not counted as idle engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from spark_llm.metrics import engine_usage, latest_records
+
+
+def rec(run, partition, start, end, engine_s, slots=2, slot="cpu-1-0", tokens=(10, 5), wave=1):
+    return {"run_id": run, "task_slots": slots, "wave": wave, "partition": partition, "started_at": start,
+            "finished_at": end, "engine_seconds": engine_s, "engine_slot": slot, "prompt_tokens": tokens[0],
+            "completion_tokens": tokens[1]}
+
+
+def test_busy_fraction_is_engine_time_over_slot_time():
+    # two slots, 10 s of inference wall: 20 slot-seconds, of which the engines generated for 15
+    records = [rec("a", 0, 100.0, 110.0, 9.0), rec("a", 1, 100.0, 107.0, 6.0, slot="cpu-1-1")]
+    usage = engine_usage(records)
+    assert usage["busy_fraction"] == pytest.approx(15 / 20)
+    assert usage["inference_wall_seconds"] == 10.0 and usage["engine_seconds"] == 15.0 and usage["runs"] == 1
+    assert usage["engine_tokens_per_second"] == pytest.approx(30 / 15)
+
+
+def test_runs_are_measured_separately():
+    # a crashed run and a resume an hour later: the hour between them is not engine idle time
+    records = [rec("a", 0, 0.0, 10.0, 10.0, slots=1), rec("b", 0, 3600.0, 3610.0, 5.0, slots=1)]
+    usage = engine_usage(records)
+    assert usage["runs"] == 2 and usage["inference_wall_seconds"] == 20.0
+    assert usage["busy_fraction"] == pytest.approx(15 / 20)
+
+
+def test_a_retried_partition_counts_once():
+    first, retry = rec("a", 0, 0.0, 5.0, 4.0), rec("a", 0, 6.0, 9.0, 2.0)
+    assert latest_records([retry, first]) == [retry]
+    assert engine_usage([])["busy_fraction"] is None
