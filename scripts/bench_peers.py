@@ -97,8 +97,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip", choices=["raw", "run_batch", "spark_llm"], action="append", default=[])
     args = p.parse_args(argv)
     from spark_llm.engine import apply_worker_env
+    from spark_llm.session import LOCAL_ENV
 
-    apply_worker_env()
+    apply_worker_env()  # every engine below gets the same environment (and so the same CPU KV-cache size)
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
     work = Path(tempfile.mkdtemp(prefix="bench_peers."))
     model = args.model
     if model is None:

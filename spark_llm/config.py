@@ -254,6 +254,11 @@ class BatchConfig(BaseModel):
         None, ge=1, description="Inference tasks that run at once (GPU engines in the cluster). Default: derived "
         "from Spark (executors x GPUs per executor / GPUs per task, or the default parallelism on CPU).",
         json_schema_extra=group("partitioning and waves"))
+    prefix_aware_partitions: bool = Field(
+        True, description="Keep requests that share a leading prefix (system prompt, few-shot block, one document "
+        "asked several questions) in one partition, adjacent, so the engine's prefix cache computes the prefix once; "
+        "partitions stay token-balanced. Off: requests are spread by estimated tokens only.",
+        json_schema_extra=group("partitioning and waves"))
     context_overflow: Literal["error", "truncate"] = Field(
         "error", description="Prompt + max_tokens over max_model_len: 'error' rejects the request "
         "(context_length_exceeded); 'truncate' lowers its max_tokens to fit when the prompt alone fits.",

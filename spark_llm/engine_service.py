@@ -85,6 +85,7 @@ class Output:
 
     prompt_token_ids: list[int]
     outputs: list[Choice]
+    num_cached_tokens: int = 0  #: prompt tokens served from vLLM's prefix cache
 
 
 @dataclass
@@ -104,7 +105,8 @@ def _plain(out: Any) -> Output:
 
     return Output(prompt_token_ids=list(out.prompt_token_ids or []),
                   outputs=[Choice(c.index, c.text, list(c.token_ids), c.finish_reason, logprobs(c))
-                           for c in out.outputs])
+                           for c in out.outputs],
+                  num_cached_tokens=int(getattr(out, "num_cached_tokens", 0) or 0))
 
 
 # ---- settings of the engine processes (not of vLLM's engine: they do not make a new engine) -------------------

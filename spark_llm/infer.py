@@ -100,7 +100,9 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     if unanswered:  # the conservation check: every request of the partition has a response or an error
         raise AssertionError(f"{len(unanswered)} of {n} requests got neither a response nor an error")
     if ctx.metrics is not None:
-        ctx.metrics.add([_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus)])
+        cached = sum(r.num_cached_tokens for r in results if not isinstance(r, RequestFailure))
+        ctx.metrics.add([{**_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus),
+                          "cached_prompt_tokens": cached}])
     out = pd.DataFrame(rows, columns=list(RESULT_FIELDS))
     for col in ("line_number", "prompt_tokens", "completion_tokens", "total_tokens", "created"):
         out[col] = out[col].astype("Int64")

@@ -53,11 +53,14 @@ def engine_usage(records: list[dict]) -> dict[str, Any]:
         slots = max(int(r.get("task_slots") or 0) for r in recs) or len({r.get("engine_slot") for r in recs})
         wall += span
         capacity += span * slots
-    tokens = sum(int(r["prompt_tokens"] or 0) + int(r["completion_tokens"] or 0) for r in records)
+    prompt = sum(int(r["prompt_tokens"] or 0) for r in records)
+    cached = sum(int(r.get("cached_prompt_tokens") or 0) for r in records)
+    tokens = prompt + sum(int(r["completion_tokens"] or 0) for r in records)
     return {"runs": len(runs), "partitions_run": len(records), "engine_seconds": round(engine_s, 3),
             "inference_wall_seconds": round(wall, 3),
             "busy_fraction": round(engine_s / capacity, 4) if capacity > 0 else None,
-            "engine_tokens_per_second": round(tokens / engine_s, 1) if engine_s > 0 else None}
+            "engine_tokens_per_second": round(tokens / engine_s, 1) if engine_s > 0 else None,
+            "prefix_cache_hit_rate": round(cached / prompt, 4) if prompt else None}
 
 
 def _fmt_duration(seconds: float) -> str:

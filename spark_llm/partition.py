@@ -22,6 +22,7 @@ from pyspark.sql import types as T
 log = logging.getLogger(__name__)
 
 PART_COL = "_part"
+#: Leading prompt tokens compared to order requests: requests sharing a prefix are adjacent (vLLM's prefix cache).
 _PREFIX_TOKENS = 256
 
 
@@ -135,17 +136,25 @@ def _hash_keys(spark: SparkSession, parts: int, first: int = 0) -> DataFrame:
                                                T.StructField("_key", T.LongType())]))
 
 
-def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int,
-                    order_col: str = "id") -> tuple[DataFrame, PartitionPlan]:
+def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col: str = "id",
+                    prefix_aware: bool = True) -> tuple[DataFrame, PartitionPlan]:
     """Assign each valid request (with ``est_tokens``) a planned partition ``_part`` so that estimated tokens are
-    balanced. ``order_col`` must identify rows uniquely; which rows form a partition of ``df`` must not change
-    between computations (true of persisted frames and of shuffles by key). The returned frame is persisted: call
-    ``plan.release()`` when done with it."""
-    # The assignment must come out the same each time it is computed: rows are hashed by their unique id into a
-    # fixed number of partitions (so AQE cannot regroup them) and sorted inside each; the result is persisted.
+    balanced: consecutive ranges of the cumulative estimated cost. With ``prefix_aware``, requests are ordered by
+    their first :data:`_PREFIX_TOKENS` prompt tokens, so requests sharing a prefix are consecutive and land in one
+    partition (two when they straddle a boundary, more when they outweigh one) instead of in every one. ``order_col``
+    must identify rows uniquely; which rows form a partition of ``df`` must not change between computations (true of
+    persisted frames and of shuffles by key). The returned frame is persisted: call ``plan.release()`` when done."""
+    # The assignment must come out the same each time it is computed: rows go to a fixed number of partitions (so
+    # AQE cannot regroup them) and are sorted inside each, ties broken by the unique id; the result is persisted.
+    # Prefix-aware: range-partitioned by (prefix, id), a global order in which one dominant prefix still spreads
+    # over many tasks; plain: hashed by the id.
     if order_col in df.columns:
         shuffle_parts = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
-        df = df.repartition(shuffle_parts, order_col).sortWithinPartitions(order_col)
+        if prefix_aware and "prompt_token_ids" in df.columns:
+            keys = [F.slice(F.col("prompt_token_ids")[0], 1, _PREFIX_TOKENS), F.col(order_col)]
+            df = df.repartitionByRange(shuffle_parts, *keys).sortWithinPartitions(*keys)
+        else:
+            df = df.repartition(shuffle_parts, order_col).sortWithinPartitions(order_col)
     ordered = df.persist(StorageLevel.MEMORY_AND_DISK)
     sums = _partition_sums(ordered)
     total = sum(sums.values())

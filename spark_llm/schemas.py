@@ -96,6 +96,8 @@ METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "gpus": (S, "GPU addresses Spark gave the task (empty without GPU scheduling)"),
     "rows": (L, "Requests in the partition"),
     "prompt_tokens": (L, "Prompt tokens of the partition's successful requests"),
+    "cached_prompt_tokens": (L, "Prompt tokens the engine served from its prefix cache (vLLM's num_cached_tokens); "
+                                "/ prompt_tokens is the partition's prefix-cache hit rate"),
     "completion_tokens": (L, "Generated tokens of the partition's successful requests"),
     "engine_load_seconds": (T.DoubleType(), "Seconds spent building the engine (0 when the worker had it cached)"),
     "engine_seconds": (T.DoubleType(), "Seconds inside the engine's generate call"),

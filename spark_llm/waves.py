@@ -66,7 +66,8 @@ def infer_in_waves(run: RunContext, valid: DataFrame) -> dict:
     infer. Commits stay one at a time and in wave order; a crash loses at most the waves not yet committed."""
     slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
     run.describe("plan partitions")
-    assigned, plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots)
+    assigned, plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots,
+                                     prefix_aware=run.cfg.prefix_aware_partitions)
     ictx = InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
                         batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg),
                         metrics=run.metrics)

@@ -7,7 +7,7 @@ import random
 from pyspark import StorageLevel
 from pyspark.sql import functions as F
 
-from spark_llm.partition import PART_COL, balance, estimate_cost, num_partitions
+from spark_llm.partition import PART_COL, balance, estimate_cost, num_partitions, plan_partitions
 
 
 def test_num_partitions_rounds_to_task_slots():
@@ -66,5 +66,34 @@ def test_rows_sharing_a_prefix_are_adjacent(spark):
         ids = [r["prompt_token_ids"][0][3] for r in out.collect()]
         assert ids == sorted(ids)
         assert PART_COL in out.columns
+    finally:
+        df.unpersist()
+
+
+def test_requests_sharing_a_prefix_share_a_partition_and_stay_balanced(spark):
+    rng = random.Random(3)
+    prefixes = [[1000 + 40 * g + k for k in range(40)] for g in range(8)]  # 8 system prompts of 40 tokens
+    rows = []
+    for i in range(800):
+        g = rng.randrange(8)
+        rows.append((f"r{i}", [prefixes[g] + [rng.randrange(50) for _ in range(rng.randint(1, 20))]], g,
+                     40 + rng.randint(1, 20), 16, "{}"))
+    df = estimate_cost(spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, g int, "
+                                                   "prompt_tokens long, max_tokens long, sampling_json string"))
+    df = df.persist()
+    try:
+        spread, total = {}, df.agg(F.sum("est_tokens")).first()[0]
+        for aware in (True, False):
+            assigned, plan = plan_partitions(df, target_tokens=-(-total // 8),
+                                             slots=4, order_col="custom_id", prefix_aware=aware)
+            parts_of = {r["g"]: r["n"] for r in assigned.groupBy("g").agg(F.countDistinct(PART_COL).alias("n"))
+                        .collect()}
+            spread[aware] = sum(parts_of.values()) / len(parts_of)
+            assert plan.num_partitions == 8 and plan.balance_ratio < 1.05
+            assert assigned.count() == 800
+            plan.release()
+        # a prompt's requests sit in one partition, or two where it straddles a boundary; plain planning scatters
+        # them over (nearly) every partition
+        assert spread[True] <= 2.0 and spread[False] >= 6.0, spread
     finally:
         df.unpersist()

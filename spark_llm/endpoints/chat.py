@@ -88,7 +88,8 @@ def respond(outputs: list, reply: Reply) -> Answer:
     prompt_tokens = len(out.prompt_token_ids)
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
+                             "total_tokens": prompt_tokens + completion_tokens,
+                             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
     if any_reasoning:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     body = {"id": f"chatcmpl-{common.id_suffix(reply.request_id)}", "object": "chat.completion",

@@ -50,9 +50,10 @@ def render(tokenizer: Any, prompts: list, char_limit: Optional[int] = None) -> t
 
 def respond(outputs: list, reply: Reply) -> Answer:
     k = reply.options.get("logprobs")
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     for p, out in enumerate(outputs):
         prompt_tokens += len(out.prompt_token_ids)
+        cached += out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             choices.append({"index": p * len(out.outputs) + c.index, "text": c.text,
@@ -61,7 +62,8 @@ def respond(outputs: list, reply: Reply) -> Answer:
     body = {"id": f"cmpl-{common.id_suffix(reply.request_id)}", "object": "text_completion",
             "created": reply.created, "model": reply.model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+                      "total_tokens": prompt_tokens + completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": cached}},
             "system_fingerprint": None}
     return Answer(body, choices[0]["text"], choices[0]["finish_reason"], prompt_tokens, completion_tokens)
 
