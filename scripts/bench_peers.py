@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-WORDS = "the batch model token prompt spark data table output review product customer engine 数据 模型 推理".split()
+from bench_overhead import WORDS  # noqa: E402  (the same vocabulary of prompts)
 
 
 def write_requests(path: Path, n: int, model: str, max_tokens: int, mix: str, seed: int = 0) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--target-tokens-per-partition", type=int, default=None,
                    help="default: about 8 partitions per engine")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import pyspark
 
     from spark_llm import BatchConfig, run_batch

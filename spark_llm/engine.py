@@ -149,6 +149,11 @@ def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) ->
                           "and size spark.executor.memoryOverhead instead")
 
 
+def has_gpus(spark_conf: dict[str, str]) -> bool:
+    """Executors have GPUs (Spark's GPU scheduling is on)."""
+    return _amount(spark_conf, "spark.executor.resource.gpu.amount") > 0
+
+
 def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int) -> Any:
     """The ResourceProfile of the inference stage: ``tensor_parallel_size`` GPUs per task, so that only that stage
     asks for GPUs (Spark's stage-level scheduling); None when executors have no GPUs or every task already asks for

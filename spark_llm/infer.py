@@ -109,6 +109,16 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     yield out
 
 
+def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:
+    """mapInPandas body of the warm-up job: make sure the engine of this task's GPUs is running (started if needed,
+    the slot held until it is ready), one row per task: the slot and whether this task started it."""
+    import pandas as pd
+
+    for _ in batches:
+        with engine_for(ctx.engine, task_gpus(ctx.engine.tensor_parallel_size), ctx.process) as engine:
+            yield pd.DataFrame({"slot": [engine.slot.name], "started": [engine.started_here]})
+
+
 def _engine_requests(pdf: Any) -> tuple[list[tuple[list[int], dict, dict]], list[int]]:
     """One engine request per prompt of every row (prompt token ids, SamplingParams keyword arguments, what the
     engine should parse out of the answer), and the row each belongs to."""

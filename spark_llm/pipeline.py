@@ -25,7 +25,7 @@ from .partition import estimate_cost
 from .prepare import check_size, count_outcomes, prepare
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta
-from .waves import infer_in_waves
+from .waves import EngineWarmup, infer_in_waves
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
 
 def _write_rows(run: RunContext) -> Outcome:
     """Every pending line to one row: validation errors first, then inference in waves."""
+    warmup = EngineWarmup.start(run)  # GPU clusters: the engines load while the batch is prepared
     run.describe("read, validate and count tokens")
     requests = prepare(run.spark, run.cfg).persist(StorageLevel.MEMORY_AND_DISK)
     try:
@@ -72,9 +73,11 @@ def _write_rows(run: RunContext) -> Outcome:
             write.insert_errors(run, write.error_rows(pending, run))
         plan = None
         if todo.ok:
-            plan = infer_in_waves(run, estimate_cost(pending.where(F.col("error_code").isNull())))
+            plan = infer_in_waves(run, estimate_cost(pending.where(F.col("error_code").isNull())), warmup)
         elif run.cfg.resume:
             log.info("batch %s: nothing left to run; no new rows written", run.batch_id)
     finally:
+        if warmup is not None:
+            warmup.close()
         requests.unpersist()
     return Outcome(plan=plan, skipped=counts.rows - todo.rows, in_progress_at=in_progress_at)

@@ -30,7 +30,7 @@ class BatchPlan:
     requests: int                    #: lines that would reach the engine
     errors_by_code: dict[str, int]   #: lines that would become error rows, by code
     prompt_tokens: int               #: of the requests, after the chat template
-    max_output_tokens: int           #: sum of n x max_tokens: the most the batch can generate
+    max_output_tokens: int           #: sum of n x max_tokens per prompt: the most the batch can generate
     partitions: int
     task_slots: int                  #: engines that would run at once
     waves: int
@@ -49,7 +49,8 @@ class BatchPlan:
         lines = [f"plan: {self.lines} lines: {self.requests} requests, {self.lines - self.requests} error rows"
                  + (f" ({errors})" if errors else ""),
                  f"  prompt tokens:      {self.prompt_tokens}",
-                 f"  max output tokens:  {self.max_output_tokens} (n x max_tokens; generation usually stops sooner)",
+                 f"  max output tokens:  {self.max_output_tokens} (n x max_tokens per prompt; generation usually stops "
+                 f"sooner)",
                  f"  partitions / waves: {self.partitions} / {self.waves} ({self.task_slots} engines at once)"]
         if self.engine_seconds is not None:
             wall = self.engine_seconds / self.task_slots

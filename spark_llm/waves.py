@@ -13,17 +13,17 @@ import logging
 import re
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Callable, Optional
 
 from pyspark.sql import DataFrame
 
 from . import faults, storage, write
 from .context import RunContext
 from .config import config_view
-from .engine import EngineSpec
+from .engine import EngineSpec, has_gpus
 from .engine_service import ProcessSettings
 from .errors import EngineStartError
-from .infer import InferContext, infer_partition
+from .infer import InferContext, infer_partition, warm_partition
 from .metrics import ProgressReporter, latest_records, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_partitions, task_slots
 from .prepare import count_outcomes
@@ -58,19 +58,79 @@ def waves_of(num_partitions: int, per_wave: int) -> list[Wave]:
 WAVES_IN_FLIGHT = 2
 
 
-def infer_in_waves(run: RunContext, valid: DataFrame) -> dict:
+class SparkJobInBackground:
+    """A driver thread running Spark jobs in the run's job group (pyspark's ``InheritableThread``); :meth:`wait`
+    joins it and raises what it raised (an executor-side engine start failure as one clear error)."""
+
+    def __init__(self, name: str, body: Callable[[], None]):
+        from pyspark import InheritableThread
+
+        self.error: Optional[BaseException] = None
+        self.thread = InheritableThread(target=self._run, args=(body,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, body: Callable[[], None]) -> None:
+        try:
+            body()
+        except BaseException as exc:
+            self.error = exc
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise engine_failure(self.error) from None
+
+
+class EngineWarmup(SparkJobInBackground):
+    """On a GPU cluster, the engines load while the driver reads, validates and counts the batch: a Spark job of one
+    task per engine slot, in the inference stage's resource profile, run from a driver thread. Loading a large model
+    takes minutes and the GPUs are idle during the prepare stage anyway; inference tasks then find their engine
+    ready. Without GPUs the engines load in the first inference tasks (their cores would be taken from the prepare
+    stage). :meth:`wait` blocks until the engines are up; one that could not start stops the batch there."""
+
+    def __init__(self, run: RunContext):
+        self.run = run
+        super().__init__("spark_llm-warmup", self._load)
+
+    @classmethod
+    def start(cls, run: RunContext) -> Optional["EngineWarmup"]:
+        return cls(run) if has_gpus(dict(run.spark.sparkContext.getConf().getAll())) else None
+
+    def _load(self) -> None:
+        run = self.run
+        run.describe("load the engines")
+        slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
+        ictx = _infer_context(run)
+        started = (run.spark.range(0, slots, 1, numPartitions=slots)
+                   .mapInPandas(lambda it: warm_partition(it, ictx), "slot string, started boolean",
+                                profile=run.gpu_profile).collect())  # one small row per engine slot
+        log.info("batch %s: engines ready on %s", run.batch_id, ", ".join(sorted(r["slot"] for r in started)))
+
+    def close(self) -> None:
+        """Stop waiting for engines nothing will use (no request left to infer, or the run failed before)."""
+        if self.thread.is_alive():
+            self.run.spark.sparkContext.cancelJobGroup(self.run.batch_id)  # the run's only job still running
+            self.thread.join()
+
+
+def _infer_context(run: RunContext) -> InferContext:
+    return InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
+                        batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics)
+
+
+def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None) -> dict:
     """Infer every valid request (rows with ``est_tokens``) and commit the results; returns the partition plan.
 
     Waves are pipelined: wave k+1 is submitted (a Spark job of its own, from a driver thread) while wave k still
     runs, so no engine waits for the slowest partition of a wave, and wave k is committed while the next waves
     infer. Commits stay one at a time and in wave order; a crash loses at most the waves not yet committed."""
     slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
+    if warmup is not None:
+        warmup.wait()
     run.describe("plan partitions")
     assigned, plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots,
                                      prefix_aware=run.cfg.prefix_aware_partitions)
-    ictx = InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
-                        batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg),
-                        metrics=run.metrics)
+    ictx = _infer_context(run)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots)
     current = {"wave": f"0/{len(waves)}"}
     total = sum(plan.requests_per_partition)
@@ -81,7 +141,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame) -> dict:
             for wave in waves:
                 if len(in_flight) == WAVES_IN_FLIGHT:
                     _commit(run, plan, in_flight.popleft())
-                in_flight.append(_WaveJob.start(run, assigned, wave, replace(ictx, wave=wave.number)))
+                in_flight.append(_WaveJob(run, assigned, wave, replace(ictx, wave=wave.number)))
                 current["wave"] = wave.label
             while in_flight:
                 _commit(run, plan, in_flight.popleft())
@@ -96,39 +156,18 @@ def infer_in_waves(run: RunContext, valid: DataFrame) -> dict:
     return plan.as_dict()
 
 
-@dataclass
-class _WaveJob:
-    """One wave's inference, running as its own Spark job in a driver thread that inherits the run's job group."""
+class _WaveJob(SparkJobInBackground):
+    """One wave's inference, a Spark job of its own, its results staged as Parquet."""
 
-    wave: Wave
-    staging: str
-    thread: Any = None
-    error: Optional[BaseException] = None
+    def __init__(self, run: RunContext, assigned: DataFrame, wave: Wave, ictx: InferContext):
+        self.wave, self.staging = wave, f"{run.paths.staging}/wave-{wave.number}"
+        super().__init__(f"spark_llm-wave-{wave.number}", lambda: self._infer(run, assigned, ictx))
 
-    @classmethod
-    def start(cls, run: RunContext, assigned: DataFrame, wave: Wave, ictx: InferContext) -> "_WaveJob":
-        from pyspark import InheritableThread
-
-        job = cls(wave, f"{run.paths.staging}/wave-{wave.number}")
-        job.thread = InheritableThread(target=job._run, args=(run, assigned, ictx),
-                                       name=f"spark_llm-wave-{wave.number}", daemon=True)
-        job.thread.start()
-        return job
-
-    def _run(self, run: RunContext, assigned: DataFrame, ictx: InferContext) -> None:
-        try:
-            run.describe(f"infer wave {self.wave.label}")
-            requests = materialize(assigned, self.wave.first, self.wave.count).select(*INFER_INPUT)
-            results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA,
-                                           profile=run.gpu_profile)
-            results.write.mode("overwrite").parquet(self.staging)
-        except BaseException as exc:
-            self.error = exc
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise engine_failure(self.error) from None
+    def _infer(self, run: RunContext, assigned: DataFrame, ictx: InferContext) -> None:
+        run.describe(f"infer wave {self.wave.label}")
+        requests = materialize(assigned, self.wave.first, self.wave.count).select(*INFER_INPUT)
+        results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA, profile=run.gpu_profile)
+        results.write.mode("overwrite").parquet(self.staging)
 
 
 def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> None:

@@ -157,7 +157,7 @@ def test_crash_after_first_wave_then_resume_is_exactly_once(spark, tiny_model, t
     for key in ("model", "served_model_name", "max_model_len", "max_num_seqs", "dtype", "kv_cache_memory_bytes",
                 "default_max_tokens"):
         args += ["--" + key.replace("_", "-"), str(settings[key])]
-    args.append("--enforce-eager")
+    args += ["--enforce-eager", "--engine-kwargs", json.dumps(settings["engine_kwargs"])]  # the same engine as below
     env = {**os.environ, FAULT_ENV: "exit_after_wave:1"}
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 137, proc.stderr[-3000:]

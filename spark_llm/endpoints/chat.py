@@ -28,7 +28,7 @@ def check(body: dict, ctx: Any) -> Checked:
     common.check_fields(body, FIELDS, URL)
     messages = _messages(body.get("messages"))
     tools = _tools(body.get("tools"), ctx)
-    choice, named = _tool_choice(body.get("tool_choice"), tools)
+    choice, named = common.tool_choice(body.get("tool_choice"), tools, _named, _NAMED)
     parallel = common.boolean(body, "parallel_tool_calls")
     options, tool_format = common.tool_choice_options(choice, named, tools or [], parallel, ctx)
     answer_format = common.response_format(body.get("response_format"), "body.response_format", ctx)
@@ -47,14 +47,7 @@ def check(body: dict, ctx: Any) -> Checked:
         options["logprobs"] = k
     if tool_format or answer_format:
         sp["structured_outputs"] = tool_format or answer_format
-    prompt: dict[str, Any] = {"messages": messages}
-    if tools and choice != "none":
-        prompt["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}}
-                           for t in tools]
-    if body.get("reasoning_effort") is not None:
-        if body["reasoning_effort"] not in ("none", "minimal", "low", "medium", "high", "xhigh"):
-            raise invalid("body.reasoning_effort must be one of none, minimal, low, medium, high, xhigh")
-        prompt["template_kwargs"] = {"reasoning_effort": body["reasoning_effort"]}
+    prompt = common.template_inputs(messages, tools, choice, body.get("reasoning_effort"), "body.reasoning_effort")
     return Checked(prompt, sp, options)
 
 
@@ -182,21 +175,13 @@ def _tools(tools: Any, ctx: Any) -> Optional[list[dict]]:
     return out
 
 
-def _tool_choice(choice: Any, tools: Optional[list[dict]]) -> tuple[str, Optional[str]]:
-    if choice is None:
-        return ("auto" if tools else "none"), None
-    if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise invalid(f"body.tool_choice must be none, auto, required or a named function, got {choice!r}")
-        if choice != "none" and not tools:
-            raise invalid(f"body.tool_choice {choice} needs body.tools")
-        return choice, None
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        if not tools:
-            raise invalid("body.tool_choice names a function but body.tools is empty")
-        return "named", choice["function"].get("name")
-    raise invalid("body.tool_choice must be none, auto, required or "
-                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+_NAMED = '{"type": "function", "function": {"name": ...}}'
+
+
+def _named(choice: dict) -> str:
+    if choice.get("type") != "function" or not isinstance(choice.get("function"), dict):
+        raise invalid(f"body.tool_choice must be none, auto, required or {_NAMED}")
+    return choice["function"].get("name")
 
 
 def _logprobs(body: dict) -> Optional[int]:

@@ -12,7 +12,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..errors import ErrorCode, RequestError, truncate
 
@@ -290,6 +290,27 @@ def check_tool_names(tools: list[dict], where: str) -> None:
         raise invalid(f"{where} defines function(s) {', '.join(dup)} more than once")
 
 
+def tool_choice(choice: Any, tools: Optional[list[dict]], named: Callable[[dict], str],
+                named_form: str) -> tuple[str, Optional[str]]:
+    """``tool_choice`` reduced to ``none`` / ``auto`` / ``required`` / ``named`` (+ the function's name); the
+    default is ``auto`` with tools, else ``none``. ``named`` reads the name from the endpoint's object form (and
+    raises for an object that names no function)."""
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise invalid(f"body.tool_choice must be none, auto, required or {named_form}, got {truncate(choice, 40)!r}")
+        if choice != "none" and not tools:
+            raise invalid(f"body.tool_choice {choice} needs body.tools")
+        return choice, None
+    if not isinstance(choice, dict):
+        raise invalid(f"body.tool_choice must be none, auto, required or {named_form}")
+    name = named(choice)
+    if not tools:
+        raise invalid("body.tool_choice names a function but body.tools is empty")
+    return "named", name
+
+
 def tool_choice_options(choice: Any, named: Optional[str], tools: list[dict], parallel: Optional[bool],
                         ctx: Any) -> tuple[dict[str, Any], Optional[dict]]:
     """``(options, structured outputs)`` for a tool choice already reduced to ``none`` / ``auto`` / ``required`` /
@@ -335,6 +356,24 @@ def tool_calls_from_output(content: Optional[str], options: dict) -> Optional[li
         return None
     return [{"name": c.get("name"), "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}
             for c in value if isinstance(c, dict)]
+
+
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def template_inputs(messages: list[dict], tools: Optional[list[dict]], choice: str, effort: Any,
+                    where: str) -> dict[str, Any]:
+    """What the chat template renders: the messages, the function tools (unless tool_choice is none) and the
+    reasoning effort (a template variable of reasoning models, as vLLM passes it)."""
+    prompt: dict[str, Any] = {"messages": messages}
+    if tools and choice != "none":
+        prompt["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}}
+                           for t in tools]
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise invalid(f"{where} must be one of {', '.join(_EFFORTS)}")
+        prompt["template_kwargs"] = {"reasoning_effort": effort}
+    return prompt
 
 
 def call_id(request_id: str, choice: int, k: int) -> str:

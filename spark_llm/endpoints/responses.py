@@ -47,7 +47,7 @@ def check(body: dict, ctx: Any) -> Checked:
                           "errors (see context_overflow)")
     messages = _messages(body.get("input"), body.get("instructions"))
     tools = _tools(body.get("tools"), ctx)
-    choice, named = _tool_choice(body.get("tool_choice"), tools)
+    choice, named = common.tool_choice(body.get("tool_choice"), tools, _named, _NAMED)
     parallel = common.boolean(body, "parallel_tool_calls")
     options, tool_format = common.tool_choice_options(choice, named, tools or [], parallel, ctx)
     text = body.get("text")
@@ -61,13 +61,11 @@ def check(body: dict, ctx: Any) -> Checked:
     sp = common.sampling(body, ctx, ("max_output_tokens",))
     if tool_format or answer_format:
         sp["structured_outputs"] = tool_format or answer_format
-    prompt: dict[str, Any] = {"messages": messages}
-    if tools and choice != "none":
-        prompt["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if v is not None}}
-                           for t in tools]
-    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
-    if effort is not None:
-        prompt["template_kwargs"] = {"reasoning_effort": effort}
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise invalid(f"body.reasoning must be an object, got {json_type(reasoning)}")
+    prompt = common.template_inputs(messages, tools, choice, (reasoning or {}).get("effort"),
+                                    "body.reasoning.effort")
     options["echo"] = {
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
         "temperature": sp["temperature"], "top_p": sp["top_p"], "parallel_tool_calls": parallel is not False,
@@ -201,19 +199,11 @@ def _tools(tools: Any, ctx: Any) -> Optional[list[dict]]:
     return out or None
 
 
-def _tool_choice(choice: Any, tools: Optional[list[dict]]) -> tuple[str, Optional[str]]:
-    if choice is None:
-        return ("auto" if tools else "none"), None
-    if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise invalid(f"body.tool_choice must be none, auto, required or a function, got {truncate(choice, 40)!r}")
-        if choice != "none" and not tools:
-            raise invalid(f"body.tool_choice {choice} needs body.tools")
-        return choice, None
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        if not tools:
-            raise invalid("body.tool_choice names a function but body.tools is empty")
-        return "named", choice.get("name")
-    kind = choice.get("type") if isinstance(choice, dict) else json_type(choice)
-    raise unsupported(f"body.tool_choice of type {truncate(str(kind), 40)!r} is not supported; use none, auto, "
-                      f"required or {{\"type\": \"function\", \"name\": ...}}")
+_NAMED = '{"type": "function", "name": ...}'
+
+
+def _named(choice: dict) -> str:
+    if choice.get("type") != "function":
+        raise unsupported(f"body.tool_choice of type {truncate(str(choice.get('type')), 40)!r} is not supported; use "
+                          f"none, auto, required or {_NAMED}")
+    return choice.get("name")
