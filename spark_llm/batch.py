@@ -95,7 +95,8 @@ class BatchObject(BaseModel):
                     input_file_id=cfg.input or cfg.input_table or "",
                     output_file_id=paths.output_file, error_file_id=paths.error_file, created_at=run.created_at,
                     metadata={"outputs_table": paths.outputs_table, "errors_table": paths.errors_table,
-                              "metrics_table": paths.metrics_table, "report_file": paths.report_file})
+                              "metrics_table": paths.metrics_table, "report_file": paths.report_file,
+                              **({"embeddings_table": paths.embeddings_table} if cfg.runner == "pooling" else {})})
 
     @classmethod
     def completed(cls, run: "RunContext", tally: Tally, errors: BatchErrors, endpoint: str,

@@ -181,6 +181,12 @@ class BatchConfig(BaseModel):
         None, description="vLLM executor backend. None picks 'uni' (in-process, required inside Spark's forked "
         "Python workers) for one GPU and 'mp' for tensor parallel.",
         json_schema_extra=engine("model and engine"))
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto", description="What the model does: generate (chat, completions, responses) or pooling (embeddings; "
+        "vLLM's pooling runner, which also turns a generative architecture into an embedding model). auto: pooling "
+        "for sentence-transformers directories and encoder architectures (e.g. BertModel), else generate. Lines for "
+        "endpoints the model does not serve become unsupported_endpoint rows.",
+        json_schema_extra=engine("model and engine"))
     reasoning_parser: Optional[str] = Field(
         None, description="vLLM reasoning parser of the model (e.g. deepseek_r1, qwen3, granite): chat messages get "
         "the thinking as `reasoning` (Responses: a reasoning item), `text` and structured outputs are the answer "
@@ -306,13 +312,14 @@ class BatchConfig(BaseModel):
     def group_of(cls, name: str) -> str:
         return cls.model_fields[name].json_schema_extra["group"]  # type: ignore[index]
 
-    def resolved(self, max_model_len: int) -> "BatchConfig":
+    def resolved(self, max_model_len: int, runner: str = "generate") -> "BatchConfig":
         """A copy with everything a run derives filled in: a generated batch_id when none was given, the model's
-        context length, the tokenizer (default: the model directory), and local relative model and tokenizer
-        paths made absolute (executors run in other directories)."""
+        context length and runner (when auto), the tokenizer (default: the model directory), and local relative
+        model and tokenizer paths made absolute (executors run in other directories). See engine.resolve."""
         model, tokenizer = _absolute(self.model), _absolute(self.tokenizer or self.model)
         return self.model_copy(update={"batch_id": self.batch_id or "batch_" + uuid.uuid4().hex,
                                        "max_model_len": self.max_model_len or max_model_len,
+                                       "runner": runner if self.runner == "auto" else self.runner,
                                        "model": model, "tokenizer": tokenizer})
 
     def redacted(self) -> dict[str, Any]:

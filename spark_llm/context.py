@@ -15,7 +15,7 @@ from pyspark.sql import SparkSession
 
 from . import storage
 from .config import BatchConfig
-from .engine import inference_profile, model_context_length
+from .engine import inference_profile, resolve
 from .metrics import ListParam
 
 
@@ -32,18 +32,22 @@ class RunPaths:
     outputs_table: str
     errors_table: str
     metrics_table: str
+    embeddings_table: str
 
     @classmethod
     def from_config(cls, cfg: BatchConfig) -> "RunPaths":
         out = (cfg.output_dir or "").rstrip("/")
         if cfg.output_table_prefix:  # managed catalog tables, shared by many batches
-            tables = {name: f"{cfg.output_table_prefix}{name}" for name in ("outputs", "errors", "metrics")}
+            tables = {name: f"{cfg.output_table_prefix}{name}"
+                      for name in ("outputs", "errors", "metrics", "embeddings")}
         else:
             tables = {"outputs": cfg.outputs_table_path or f"{out}/delta/outputs",
-                      "errors": cfg.errors_table_path or f"{out}/delta/errors", "metrics": f"{out}/delta/metrics"}
+                      "errors": cfg.errors_table_path or f"{out}/delta/errors", "metrics": f"{out}/delta/metrics",
+                      "embeddings": f"{out}/delta/embeddings"}
         return cls(output_dir=out, output_file=f"{out}/output.jsonl", error_file=f"{out}/errors.jsonl",
                    batch_file=f"{out}/batch.json", report_file=f"{out}/report.html", staging=f"{out}/_staging",
-                   outputs_table=tables["outputs"], errors_table=tables["errors"], metrics_table=tables["metrics"])
+                   outputs_table=tables["outputs"], errors_table=tables["errors"], metrics_table=tables["metrics"],
+                   embeddings_table=tables["embeddings"])
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class RunContext:
 
     @classmethod
     def start(cls, spark: SparkSession, config: BatchConfig) -> "RunContext":
-        cfg = config.resolved(max_model_len=config.max_model_len or model_context_length(config.model or ""))
+        cfg = resolve(config)
         paths = RunPaths.from_config(cfg)
         created_at = (_previous_created_at(spark, paths.batch_file) if cfg.resume else None) or int(time.time())
         return cls(spark=spark, cfg=cfg, paths=paths, created_at=created_at, started=time.time(),

@@ -84,6 +84,29 @@ class EngineSpec:
         return kw
 
 
+def resolve(config: BatchConfig) -> BatchConfig:
+    """``config`` with what the model directory says filled in (its context length and runner), for a run."""
+    model = config.model or ""
+    return config.resolved(max_model_len=config.max_model_len or model_context_length(model),
+                           runner=model_runner(model))
+
+
+#: Architecture name endings of generative models; anything else (BertModel, XLMRobertaModel ...) is an encoder.
+_GENERATIVE = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+
+
+def model_runner(model: str) -> str:
+    """``pooling`` for a sentence-transformers directory or an encoder architecture, else ``generate``."""
+    path = Path(model or "")
+    if (path / "modules.json").exists() or (path / "config_sentence_transformers.json").exists():
+        return "pooling"
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return "generate"
+    return "pooling" if archs and not any(a.endswith(_GENERATIVE) for a in archs) else "generate"
+
+
 def model_context_length(model: str) -> int:
     """The model's context length, read from its ``config.json`` (max_position_embeddings or the like)."""
     config_file = Path(model or "") / "config.json"

@@ -86,6 +86,7 @@ class Output:
     prompt_token_ids: list[int]
     outputs: list[Choice]
     num_cached_tokens: int = 0  #: prompt tokens served from vLLM's prefix cache
+    embedding: Optional[list[float]] = None  #: a pooling engine's answer
 
 
 @dataclass
@@ -103,6 +104,10 @@ def _plain(out: Any) -> Output:
         return [{int(t): TokenLogprob(float(lp.logprob), lp.rank, lp.decoded_token) for t, lp in pos.items()}
                 for pos in c.logprobs]
 
+    if hasattr(out.outputs, "embedding"):  # EmbeddingRequestOutput: one vector, no choices
+        return Output(prompt_token_ids=list(out.prompt_token_ids or []), outputs=[],
+                      num_cached_tokens=int(getattr(out, "num_cached_tokens", 0) or 0),
+                      embedding=[float(x) for x in out.outputs.embedding])
     return Output(prompt_token_ids=list(out.prompt_token_ids or []),
                   outputs=[Choice(c.index, c.text, list(c.token_ids), c.finish_reason, logprobs(c))
                            for c in out.outputs],
@@ -336,6 +341,7 @@ class _Server:
         self.slot, self.key, self.watch_pid, self.idle_timeout = slot, key, watch_pid, idle_timeout
         self.engine: Any = None
         self.parsers: Any = None
+        self.pooling = False  #: an embedding engine (vLLM's pooling runner)
         self.busy = False
         self.last_used = time.monotonic()
         self.lock = threading.Lock()
@@ -374,13 +380,19 @@ class _Server:
         prompts, params, index = [], [], []
         for i, (ids, sampling, _) in enumerate(requests):
             try:
-                params.append(sampling_params(sampling))
+                params.append(sampling_params(sampling, self.pooling))
             except Exception as exc:
                 results[i] = RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
                 continue
             prompts.append({"prompt_token_ids": ids})
             index.append(i)
-        outs = generate_isolating(lambda p, s: self.engine.generate(p, s, use_tqdm=False), prompts, params)
+        if self.pooling:
+            def run(p: list, s: list) -> list:
+                return self.engine.embed(p, pooling_params=s, use_tqdm=False)
+        else:
+            def run(p: list, s: list) -> list:
+                return self.engine.generate(p, s, use_tqdm=False)
+        outs = generate_isolating(run, prompts, params)
         for i, out in zip(index, outs):
             if isinstance(out, BaseException):
                 if is_fatal(out):
@@ -463,6 +475,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.monotonic()
     try:
         server.engine = build_engine(spec)
+        server.pooling = spec.settings.get("runner") == "pooling"
         server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
                                  spec.settings.get("reasoning_parser"))
     except EngineStartError as exc:

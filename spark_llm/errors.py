@@ -22,6 +22,12 @@ class ErrorCode(str, Enum):
     ENGINE_ERROR = "engine_error"                  # the engine failed on this one request
 
 
+#: Codes found before a line's custom_id could be read: such a row's custom_id, when it shows one, was recovered from
+#: the raw line for attribution only; it does not claim the id (no duplicate check, ids by file and line).
+LINE_LEVEL_CODES = (ErrorCode.INVALID_ENCODING.value, ErrorCode.LINE_TOO_LARGE.value, ErrorCode.INVALID_JSON.value,
+                    ErrorCode.INVALID_CUSTOM_ID.value)
+
+
 class RequestError(Exception):
     """A request-level problem: becomes an error row with ``code`` and ``message``, never stops the job."""
 

@@ -142,7 +142,7 @@ def _answer(row: dict, outputs: list, kind: str, reply: Reply) -> None:
     if failure is not None:
         if failure.kind == "invalid":
             row.update(error_code=ErrorCode.INVALID_REQUEST.value,
-                       error_message=f"sampling parameters rejected by the engine: {failure.message}")
+                       error_message=f"request parameters rejected by the engine: {failure.message}")
         else:
             row.update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=truncate(failure.message, 1000))
         return
@@ -150,7 +150,8 @@ def _answer(row: dict, outputs: list, kind: str, reply: Reply) -> None:
     row.update(
         text=answer.text, finish_reason=answer.finish_reason, created=reply.created,
         tool_calls=json.dumps(answer.tool_calls, ensure_ascii=False) if answer.tool_calls else None,
-        reasoning=answer.reasoning, prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens,
+        reasoning=answer.reasoning, embeddings=answer.embeddings,
+        prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens,
         total_tokens=answer.prompt_tokens + answer.completion_tokens,
         response_body=json.dumps(answer.body, ensure_ascii=False, separators=(",", ":")),
     )

@@ -19,7 +19,7 @@ from pyspark.sql import functions as F
 from . import storage
 from .config import BatchConfig, ConfigError
 from .context import RunPaths
-from .engine import model_context_length
+from .engine import resolve
 from .partition import estimate_cost, num_partitions, task_slots
 from .prepare import prepare
 
@@ -78,7 +78,7 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
     config.require("model")
     if not (config.input or config.input_table):
         raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
-    cfg = config.resolved(max_model_len=config.max_model_len or model_context_length(config.model or ""))
+    cfg = resolve(config)
     source = "given"
     if tokens_per_second is None and cfg.output_dir:
         tokens_per_second = measured_tokens_per_second(spark, RunPaths.from_config(cfg).metrics_table)

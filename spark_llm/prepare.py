@@ -13,7 +13,7 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from .config import BatchConfig, ConfigError, config_view
-from .errors import ErrorCode
+from .errors import LINE_LEVEL_CODES, ErrorCode
 from .read import read_input
 from .schemas import TOKENIZED_SCHEMA, VALIDATED_SCHEMA
 from .tokens import TokenContext, count_batches
@@ -60,7 +60,8 @@ def check_size(counts: Outcomes, cfg: BatchConfig) -> None:
 def mark_duplicates(df: DataFrame) -> DataFrame:
     """The first line (by file, line number) of each custom_id keeps its fate; later lines become
     duplicate_custom_id errors that name the first line."""
-    with_id = df.where(F.col("custom_id").isNotNull())
+    claims = F.col("custom_id").isNotNull() & ~F.coalesce(F.col("error_code").isin(*LINE_LEVEL_CODES), F.lit(False))
+    with_id = df.where(claims)
     w = Window.partitionBy("custom_id").orderBy("file", "line_number")
     ranked = (with_id.withColumn("_rank", F.row_number().over(w))
               .withColumn("_first_line", F.first("line_number").over(w))
@@ -75,15 +76,15 @@ def mark_duplicates(df: DataFrame) -> DataFrame:
         F.when(dup, message).otherwise(F.col("error_message")).alias("error_message"),
         F.when(dup, F.coalesce(F.col("raw_line"), F.col("request"))).otherwise(F.col("raw_line")).alias("raw_line"),
     )
-    return marked.select(df.columns).unionByName(df.where(F.col("custom_id").isNull()))
+    return marked.select(df.columns).unionByName(df.where(~claims))
 
 
 def with_line_ids(df: DataFrame, batch_id: str) -> DataFrame:
     """Stable, unique per-line ids from the batch id and the custom_id (file and line for lines without a usable
-    or with a duplicate custom_id)."""
+    custom_id, with a duplicate one, or with one recovered from a broken line)."""
     by_line = F.concat(F.lit("\u0000"), F.col("file"), F.lit(":"), F.col("line_number").cast("string"))
-    unique_id = F.col("custom_id").isNotNull() & (F.coalesce(F.col("error_code"), F.lit("")) != F.lit(
-        ErrorCode.DUPLICATE_CUSTOM_ID.value))
+    unique_id = F.col("custom_id").isNotNull() & ~F.coalesce(F.col("error_code"), F.lit("")).isin(
+        ErrorCode.DUPLICATE_CUSTOM_ID.value, *LINE_LEVEL_CODES)
     ident = F.when(unique_id, F.col("custom_id")).otherwise(by_line)
     digest = F.sha2(F.concat(F.lit(batch_id + "\u0000"), ident), 256)
     return df.select("*", F.concat(F.lit("batch_req_"), F.substring(digest, 1, 32)).alias("id"),

@@ -38,6 +38,7 @@ RESULT_SCHEMA = _struct(
     ("request_id", S, True), ("model", S, True), ("text", S, True), ("finish_reason", S, True),
     ("tool_calls", S, True), ("reasoning", S, True), ("prompt_tokens", L, True), ("completion_tokens", L, True),
     ("total_tokens", L, True), ("created", L, True),
+    ("embeddings", T.ArrayType(T.ArrayType(T.FloatType())), True),
     ("response_body", S, True), ("request", S, True), ("notes", S, True), ("error_code", S, True),
     ("error_message", S, True),
 )
@@ -81,6 +82,17 @@ ERRORS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "message": (S, "What was wrong and what to change"),
     "raw_line": (S, "The input line, cut to max_raw_line_chars characters"),
     "created_at": (T.TimestampType(), "When the error was recorded"),
+}
+
+#: Column -> comment of the embeddings table: the vectors of /v1/embeddings requests as a real column.
+EMBEDDINGS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
+    "batch_id": (S, "Batch run that produced the row"),
+    "id": (S, "Batch line id (batch_req_...) of the request, as in the outputs table"),
+    "custom_id": (S, "custom_id of the request"),
+    "input_index": (L, "Position of the input in the request's input list (0 for a single input)"),
+    "dimensions": (L, "Length of the vector"),
+    "embedding": (T.ArrayType(T.FloatType()), "The embedding vector (float32, as the model returned it)"),
+    "created_at": (T.TimestampType(), "When the embedding was computed"),
 }
 
 #: Column -> comment of the metrics table, one row per inference partition (see metrics.py).

@@ -7,13 +7,15 @@ them to the raw-line DataFrame in ``mapInPandas`` (the prepare stage, :mod:`spar
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from .endpoints import ENDPOINTS
+from .endpoints import ENDPOINTS, SERVED_BY
 from .endpoints.common import json_type as _json_type
-from .errors import ErrorCode, RequestError, truncate
+from .errors import LINE_LEVEL_CODES, ErrorCode, RequestError, truncate
 from .schemas import VALIDATED_FIELDS
 
 _BOM = b"\xef\xbb\xbf"
@@ -34,6 +36,7 @@ class ValidationContext:
     max_n: int
     structured_outputs_backend: str
     tool_call_parser: Optional[str]
+    runner: str   #: resolved: generate or pooling
 
 
 def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: ValidationContext) -> Optional[dict]:
@@ -71,7 +74,34 @@ def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: Val
         row["error_code"], row["error_message"] = err.code.value, err.message
         for key in ("url", "kind", "request", "prompt_json", "sampling_json", "options_json", "max_tokens"):
             row[key] = None
+        if err.code.value in LINE_LEVEL_CODES:  # the line's custom_id, whenever it shows one, for attribution
+            row["custom_id"] = recover_custom_id(data[:_RECOVERY_BYTES] if len(data) > ctx.max_line_bytes else data)
     return row
+
+
+#: How much of an over-long line is searched for its custom_id.
+_RECOVERY_BYTES = 64 * 1024
+_LEADING_ID = re.compile(r'^\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false)')
+
+
+def recover_custom_id(data: bytes) -> Optional[str]:
+    """The custom_id a broken line shows, as a string: decoded with replacement characters, parsed leniently
+    (NaN, extra data after the object), else read from a leading ``{"custom_id": ...``; a non-string value as its
+    JSON text (``12345`` -> ``"12345"``). None when the line shows none (or ``null``)."""
+    text = data.decode("utf-8", "replace")
+    value: Any = None
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(text.lstrip())
+        value = obj.get("custom_id") if isinstance(obj, dict) else None
+    except (ValueError, RecursionError):
+        match = _LEADING_ID.match(text)
+        if match:
+            with contextlib.suppress(ValueError):
+                value = json.loads(match.group(1))
+    if value is None:
+        return None
+    cid = value if isinstance(value, str) else truncate(json.dumps(value, ensure_ascii=False), 200)
+    return cid.encode("utf-8", "replace").decode("utf-8")  # a lone surrogate escape cannot be stored
 
 
 def _raw_preview(data: bytes, limit: int) -> str:
@@ -131,6 +161,11 @@ def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
         raise RequestError(ErrorCode.INVALID_REQUEST, f"body must be a JSON object, got {got}")
     body = obj["body"]
     _check_model(body, ctx)
+    if url not in SERVED_BY[ctx.runner]:
+        kind = "an embedding model (runner pooling)" if ctx.runner == "pooling" else "a text generation model"
+        raise RequestError(ErrorCode.UNSUPPORTED_ENDPOINT,
+                           f"{ctx.served_model_name!r} is {kind}, which serves {', '.join(SERVED_BY[ctx.runner])}; "
+                           f"send {url} lines to a batch with a model for them")
     endpoint = ENDPOINTS[url]
     checked = endpoint.check(body, ctx)
     row.update(url=url, kind=endpoint.KIND, prompt_json=_dumps(checked.prompt),

@@ -16,7 +16,7 @@ from . import storage
 from .config import ConfigError
 from .context import RunContext
 from .errors import ErrorCode
-from .schemas import ERRORS_COLUMNS, METRICS_COLUMNS, OUTPUTS_COLUMNS, json_string
+from .schemas import EMBEDDINGS_COLUMNS, ERRORS_COLUMNS, METRICS_COLUMNS, OUTPUTS_COLUMNS, json_string
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ def prepare_destination(run: RunContext) -> None:
                 storage.delete_rows(spark, table, F.col("batch_id") == run.batch_id)
     storage.ensure_table(spark, paths.outputs_table, OUTPUTS_COLUMNS)
     storage.ensure_table(spark, paths.errors_table, ERRORS_COLUMNS)
+    if cfg.runner == "pooling":
+        storage.ensure_table(spark, paths.embeddings_table, EMBEDDINGS_COLUMNS)
 
 
 def _batch_rows(run: RunContext, table: str, version: int | None = None) -> DataFrame:
@@ -86,6 +88,15 @@ def output_rows(results: DataFrame, run: RunContext) -> DataFrame:
         "batch_id": F.lit(run.batch_id), "created_at": F.timestamp_seconds("created")})
 
 
+def embedding_rows(results: DataFrame, run: RunContext) -> DataFrame:
+    """The vectors of the embedding responses, one row per input, as embeddings-table rows."""
+    exploded = (results.where(F.col("error_code").isNull() & F.col("embeddings").isNotNull())
+                .select("*", F.posexplode("embeddings").alias("input_index", "embedding")))
+    return _table_rows(exploded, EMBEDDINGS_COLUMNS, {
+        "batch_id": F.lit(run.batch_id), "dimensions": F.size("embedding"),
+        "created_at": F.timestamp_seconds("created")})
+
+
 def insert_errors(run: RunContext, rows: DataFrame) -> None:
     storage.insert_new(rows, run.paths.errors_table, ERRORS_COLUMNS, run.batch_id)
 
@@ -95,6 +106,9 @@ def commit_results(run: RunContext, results: DataFrame, responses: int, errors: 
     a table that gets no rows."""
     if responses:
         storage.insert_new(output_rows(results, run), run.paths.outputs_table, OUTPUTS_COLUMNS, run.batch_id)
+        if run.cfg.runner == "pooling":
+            storage.insert_new(embedding_rows(results, run), run.paths.embeddings_table, EMBEDDINGS_COLUMNS,
+                               run.batch_id)
     if errors:
         insert_errors(run, error_rows(results, run))
 

@@ -105,6 +105,8 @@ def hostile_cases() -> list[tuple[object, str | None]]:
         ({k: v for k, v in env("h-no-body").items() if k != "body"}, "invalid_request"),
         ({**env("null-body"), "body": None}, "invalid_request"),
         ({**env("list-body"), "body": []}, "invalid_request"),
+        # a broken line showing a custom_id is attributed to it but does not claim it: the valid "Case" still runs
+        (b'{"custom_id": "Case", "method": "POST",}', "invalid_json"),
         # custom_ids that differ only by case, whitespace, normal form or a non-breaking space: all distinct
         (chat_line("Case", temperature=0, max_tokens=2), OK),
         (chat_line("case", temperature=0, max_tokens=2), OK),

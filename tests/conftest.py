@@ -96,7 +96,7 @@ def validation_context(**settings):
     from spark_llm.config import BatchConfig, config_view
     from spark_llm.validate import ValidationContext
 
-    return config_view(ValidationContext, BatchConfig(served_model_name=MODEL_NAME, **settings))
+    return config_view(ValidationContext, BatchConfig(served_model_name=MODEL_NAME, **settings).resolved(2048))
 
 
 def engine_settings(model: str) -> dict:

@@ -45,6 +45,12 @@ def test_hostile_input_every_line_answered_once_with_the_right_code(spark, hosti
     assert len([i for i in ids if unicodedata.normalize("NFC", i) == "café"]) == 2
     huge = next(r for r in errs if r["custom_id"] == "huge-prompt")
     assert "at least" in huge["message"] and len(huge["raw_line"]) <= 2048
+    # broken lines carry the custom_id they show (bad bytes, a BOM inside the object, a lone surrogate, a number)
+    carried = {r["custom_id"]: r["code"] for r in errs if r["code"] in ("invalid_json", "invalid_encoding",
+                                                                      "invalid_custom_id")}
+    assert {"bad-bytes": "invalid_encoding", "bom-mid": "invalid_json", "surrogate": "invalid_encoding",
+            "17": "invalid_custom_id", "Case": "invalid_json"}.items() <= carried.items()
+    assert len({r["id"] for r in outs + errs}) == len(outs) + len(errs)  # "Case" twice, two different line ids
 
 
 @pytest.mark.engine

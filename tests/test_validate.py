@@ -91,16 +91,48 @@ def test_deeply_nested_json_is_an_error_not_a_crash():
         assert row["error_code"] == "invalid_json" and "nested too deeply" in row["error_message"]
 
 
-@pytest.mark.parametrize("line,code", [
-    ({"method": "POST", "url": "/v1/chat/completions", "body": {}}, "invalid_custom_id"),
-    ({"custom_id": None, "method": "POST"}, "invalid_custom_id"),
-    ({"custom_id": 12, "method": "POST"}, "invalid_custom_id"),
-    ({"custom_id": "", "method": "POST"}, "invalid_custom_id"),
-    ({"custom_id": ["a"], "method": "POST"}, "invalid_custom_id"),
+@pytest.mark.parametrize("line,carried", [
+    ({"method": "POST", "url": "/v1/chat/completions", "body": {}}, None),
+    ({"custom_id": None, "method": "POST"}, None),
+    ({"custom_id": 12345, "method": "POST"}, "12345"),
+    ({"custom_id": "", "method": "POST"}, ""),
+    ({"custom_id": ["a"], "method": "POST"}, '["a"]'),
 ])
-def test_unusable_custom_id_gives_null_id(line, code):
+def test_an_unusable_custom_id_is_an_error_that_still_carries_what_the_line_gave(line, carried):
     row = check(line)
-    assert row["error_code"] == code and row["custom_id"] is None
+    assert row["error_code"] == "invalid_custom_id" and row["custom_id"] == carried
+
+
+DEEP = b"[" * 50000 + b"]" * 50000
+
+
+@pytest.mark.parametrize("raw,code,carried", [
+    (b'{"custom_id": "u8", "body": {"messages": [{"role": "user", "content": "\xff"}]}}', "invalid_encoding", "u8"),
+    (b'{"custom_id": "sur", "body": "\\ud800"}', "invalid_encoding", "sur"),
+    (b'{"custom_id": "nan", "body": {"temperature": NaN}}', "invalid_json", "nan"),
+    (b'{"custom_id": "inf", "n": -Infinity}', "invalid_json", "inf"),
+    (b'{"custom_id": "extra", "method": "POST"} {"more": 1}', "invalid_json", "extra"),
+    (b'{"custom_id": "comma", "method": "POST",}', "invalid_json", "comma"),
+    (b'{"custom_id": "cut", "method": "PO', "invalid_json", "cut"),
+    (b'{"custom_id": "deep", "body": ' + DEEP + b"}", "invalid_json", "deep"),
+    (b'{"custom_id": 7, "method": "POST",}', "invalid_json", "7"),
+    (b'{"custom_id": "big", "pad": "' + b"a" * 5000 + b'"}', "line_too_large", "big"),
+    (b'{"custom_id": "\xff\xfe", "x": 1}', "invalid_encoding", "\ufffd\ufffd"),
+    (b"not json at all", "invalid_json", None),
+    (b'[{"custom_id": "in-a-list"}]', "invalid_json", None),
+    (b'{"method": "POST", "body": ' + DEEP + b', "custom_id": "late"}', "invalid_json", None),
+])
+def test_a_broken_line_is_attributed_to_the_custom_id_it_shows(raw, code, carried):
+    row = check(raw, validation_context(max_line_bytes=4096 if code == "line_too_large" else 1 << 20))
+    assert (row["error_code"], row["custom_id"]) == (code, carried), row["error_message"]
+
+
+@pytest.mark.parametrize("changes", [{"stream": 0}, {"stream": "false"}, {"store": 1}, {"metadata": "x"},
+                                     {"user": 5}, {"logprobs": 1}, {"n": 2.0}, {"max_tokens": 8.0}, {"seed": True},
+                                     {"parallel_tool_calls": 0}, {"ignore_eos": "yes"}])
+def test_types_are_strict_as_openai_has_them(changes):
+    row = check(with_body(**changes))
+    assert row["error_code"] == "invalid_request" and next(iter(changes)) in row["error_message"]
 
 
 @pytest.mark.parametrize("change,code", [

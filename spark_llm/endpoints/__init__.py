@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import chat, completions, responses
+from . import chat, completions, embeddings, responses
 from .common import Answer, Checked, Reply
 
-ENDPOINTS: dict[str, ModuleType] = {m.URL: m for m in (chat, completions, responses)}
+ENDPOINTS: dict[str, ModuleType] = {m.URL: m for m in (chat, completions, responses, embeddings)}
+#: What an engine of each runner serves.
+SERVED_BY = {"generate": (chat.URL, completions.URL, responses.URL), "pooling": (embeddings.URL,)}
 BY_KIND: dict[str, ModuleType] = {m.KIND: m for m in ENDPOINTS.values()}
 
-__all__ = ["Answer", "BY_KIND", "Checked", "ENDPOINTS", "Reply"]
+__all__ = ["Answer", "BY_KIND", "Checked", "ENDPOINTS", "Reply", "SERVED_BY"]

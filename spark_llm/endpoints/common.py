@@ -85,8 +85,17 @@ def boolean(body: dict, key: str, where: str = "body") -> Optional[bool]:
     return v
 
 
+#: The accepted-and-ignored fields' types, checked as strictly as OpenAI does (no coercion: ``"stream": 0`` is wrong).
+_HARMLESS_TYPES = {"stream": bool, "store": bool, "user": str, "metadata": dict, "service_tier": str,
+                   "stream_options": dict, "safety_identifier": str, "prompt_cache_key": str}
+_TYPE_NAMES = {bool: "a boolean", str: "a string", dict: "an object"}
+
+
 def check_fields(body: dict, allowed: frozenset, url: str) -> None:
-    if body.get("stream") not in (None, False):
+    for key, kind in _HARMLESS_TYPES.items():
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise invalid(f"body.{key} must be {_TYPE_NAMES[kind]}, got {json_type(body[key])}")
+    if body.get("stream"):
         raise unsupported("stream must be false or absent in a batch request")
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -299,7 +308,8 @@ def tool_choice(choice: Any, tools: Optional[list[dict]], named: Callable[[dict]
         return ("auto" if tools else "none"), None
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise invalid(f"body.tool_choice must be none, auto, required or {named_form}, got {truncate(choice, 40)!r}")
+            raise invalid(f"body.tool_choice must be none, auto, required or {named_form}, got "
+                          f"{truncate(choice, 40)!r}")
         if choice != "none" and not tools:
             raise invalid(f"body.tool_choice {choice} needs body.tools")
         return choice, None
@@ -406,6 +416,7 @@ class Answer:
     completion_tokens: int
     tool_calls: Optional[list[dict]] = None
     reasoning: Optional[str] = None
+    embeddings: Optional[list[list[float]]] = None  #: one vector per input (embeddings endpoint)
 
 
 def finish_reason(reason: Optional[str]) -> str:

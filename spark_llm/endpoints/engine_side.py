@@ -15,11 +15,14 @@ from ..errors import EngineStartError
 log = logging.getLogger(__name__)
 
 
-def sampling_params(kwargs: dict[str, Any]) -> Any:
-    """``SamplingParams`` for the JSON keyword arguments of an endpoint's ``check``."""
-    from vllm import SamplingParams
+def sampling_params(kwargs: dict[str, Any], pooling: bool = False) -> Any:
+    """``SamplingParams`` for the JSON keyword arguments of an endpoint's ``check`` (``PoolingParams`` for a pooling
+    engine: the embeddings endpoint's ``dimensions``)."""
+    from vllm import PoolingParams, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
+    if pooling:
+        return PoolingParams(**{k: v for k, v in kwargs.items() if k != "max_tokens"})
     kw = dict(kwargs)
     if kw.get("structured_outputs"):
         kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])

@@ -1,0 +1,60 @@
+"""``/v1/embeddings``: inputs (strings or token ids, one or many) embedded by a pooling engine; the answer is OpenAI's
+``CreateEmbeddingResponse`` with one vector per input, as floats or base64 (little-endian float32, as OpenAI)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any
+
+from . import common, completions
+from .common import Answer, Checked, Reply, invalid, number
+
+URL = "/v1/embeddings"
+KIND = "embedding"
+PARSE_REASONING = False
+FIELDS = common.HARMLESS_FIELDS | {"input", "encoding_format", "dimensions"}
+MAX_INPUTS = 2048  #: OpenAI's limit of inputs per request
+
+render = completions.render  # the tokenizer's special tokens around text inputs, token-id inputs as given
+
+
+def check(body: dict, ctx: Any) -> Checked:
+    common.check_fields(body, FIELDS, URL)
+    inputs = body.get("input")
+    if inputs is None:
+        raise invalid(f"body.input is required for {URL}")
+    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(common.is_int(t) for t in inputs)):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs:
+        raise invalid("body.input must be a non-empty string, a list of token ids, or a list of either")
+    if len(inputs) > MAX_INPUTS:
+        raise invalid(f"body.input holds {len(inputs)} inputs; at most {MAX_INPUTS} are allowed per request")
+    for j, item in enumerate(inputs):
+        where = "body.input" if len(inputs) == 1 else f"body.input[{j}]"
+        if isinstance(item, str):
+            if item == "":
+                raise invalid(f"{where} must not be empty")
+        elif not (isinstance(item, list) and item and all(common.is_int(t) and t >= 0 for t in item)):
+            raise invalid(f"{where} must be a non-empty string or a list of non-negative token ids")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise invalid(f"body.encoding_format must be float or base64, got {fmt!r}")
+    pooling: dict[str, Any] = {"max_tokens": 0}  # nothing is generated: the cost of a request is its input tokens
+    if body.get("dimensions") is not None:
+        pooling["dimensions"] = number(body, "dimensions", 1, 1 << 16, integer=True)
+    return Checked(inputs, pooling, {"encoding_format": fmt})
+
+
+def respond(outputs: list, reply: Reply) -> Answer:
+    b64 = reply.options.get("encoding_format") == "base64"
+    data = [{"object": "embedding", "index": i,
+             "embedding": _base64(out.embedding) if b64 else out.embedding} for i, out in enumerate(outputs)]
+    tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    body = {"object": "list", "data": data, "model": reply.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return Answer(body, None, None, tokens, 0, embeddings=[out.embedding for out in outputs])
+
+
+def _base64(vector: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
