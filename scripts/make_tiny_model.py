@@ -6,6 +6,7 @@ built-in English/Chinese corpus, and a ChatML-style chat template. The output is
 the same weights and the same tokenizer every time, so greedy decoding gives the same token ids on every run.
 
     python scripts/make_tiny_model.py --out /tmp/tiny-llm
+    python scripts/make_tiny_model.py --kind lora --base /tmp/tiny-llm --out /tmp/tiny-lora
 """
 
 from __future__ import annotations
@@ -153,14 +154,47 @@ def build_model(out: Path, *, seed: int = 0, vocab_size: int = 4096, hidden: int
     return out
 
 
+def build_lora(base: Path, out: Path, *, seed: int = 1, rank: int = 8) -> Path:
+    """A LoRA adapter (PEFT layout: adapter_config.json + adapter_model.safetensors) for the tiny Llama at ``base``:
+    random rank-``rank`` updates of every layer's q_proj and v_proj, strong enough to change greedy outputs."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(base) / "config.json").read_text())
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    outputs = {"q_proj": hidden, "v_proj": kv_heads * (hidden // heads)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, size in outputs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, hidden, generator=gen) * 0.5).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(size, rank, generator=gen) * 0.5).to(torch.bfloat16)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": sorted(outputs), "base_model_name_or_path": str(base)}, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="model directory to create (replaced if it exists)")
+    p.add_argument("--kind", choices=["llm", "lora"], default="llm",
+                   help="llm: the tiny Llama; lora: a LoRA adapter for the tiny Llama given by --base")
+    p.add_argument("--base", help="with --kind lora: the tiny Llama's directory")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the weights")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size to train")
     p.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings of the model")
     p.add_argument("--if-stale", action="store_true", help="do nothing when --out already holds this version's model")
     args = p.parse_args(argv)
+    if args.kind == "lora":
+        if not args.base:
+            p.error("--kind lora needs --base (the tiny Llama's directory)")
+        print(f"tiny LoRA adapter written to {build_lora(Path(args.base), Path(args.out), seed=args.seed + 1)}")
+        return 0
     marker = Path(args.out) / "tiny_model_version"
     if args.if_stale and marker.exists() and marker.read_text().strip() == str(VERSION):
         print(f"tiny model in {args.out} is up to date")

@@ -25,6 +25,21 @@ def _json_object(text: str) -> dict:
     return value
 
 
+class _Mapping(argparse.Action):
+    """``NAME=VALUE``, repeatable (as ``vllm serve --lora-modules``), or a JSON object; merged into one dict."""
+
+    def __call__(self, parser: Any, namespace: Any, value: Any, option_string: Any = None) -> None:
+        current = dict(getattr(namespace, self.dest) or {})
+        if value.lstrip().startswith("{"):
+            current.update(_json_object(value))
+        else:
+            name, sep, target = value.partition("=")
+            if not (sep and name and target):
+                raise argparse.ArgumentError(self, f"expected NAME=VALUE (or a JSON object), got {value!r}")
+            current[name] = target
+        setattr(namespace, self.dest, current)
+
+
 def _argument_kwargs(annotation: Any) -> dict[str, Any]:
     """argparse settings for a config field's type (Optional[...] unwrapped)."""
     args = [a for a in get_args(annotation) if a is not type(None)]
@@ -34,6 +49,8 @@ def _argument_kwargs(annotation: Any) -> dict[str, Any]:
         return {"type": str, "choices": list(get_args(annotation))}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
+    if get_origin(annotation) is dict and get_args(annotation) == (str, str):
+        return {"action": _Mapping, "metavar": "NAME=VALUE"}
     if get_origin(annotation) is dict:
         return {"type": _json_object, "metavar": "JSON"}
     return {"type": annotation}

@@ -181,6 +181,19 @@ class BatchConfig(BaseModel):
         None, description="vLLM executor backend. None picks 'uni' (in-process, required inside Spark's forked "
         "Python workers) for one GPU and 'mp' for tensor parallel.",
         json_schema_extra=engine("model and engine"))
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters served beside the base model, name -> directory (CLI: "
+        "--lora-modules NAME=PATH, repeatable, as vllm serve). A request whose body.model is an adapter's name runs "
+        "the base model with that adapter, and its response names the adapter. Requests of one adapter are planned "
+        "together, so an engine switches adapters seldom. A missing adapter directory, or one whose rank is over "
+        "max_lora_rank, stops the batch before any work.",
+        json_schema_extra=engine("model and engine", vllm=None))
+    max_loras: int = Field(
+        4, ge=1, description="Adapters an engine keeps loaded at once (vLLM's max_loras); more cost GPU memory.",
+        json_schema_extra=engine("model and engine"))
+    max_lora_rank: int = Field(
+        16, ge=1, description="Largest adapter rank the engine reserves room for (vLLM's max_lora_rank).",
+        json_schema_extra=engine("model and engine"))
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto", description="What the model does: generate (chat, completions, responses) or pooling (embeddings; "
         "vLLM's pooling runner, which also turns a generative architecture into an embedding model). auto: pooling "

@@ -78,6 +78,11 @@ class EngineSpec:
             else:
                 kw[outer] = value
         kw["tokenizer"] = kw.get("tokenizer") or self.model
+        if self.settings.get("lora_modules"):
+            kw["enable_lora"] = True
+        else:  # vLLM's LoRA limits mean nothing without adapters
+            kw.pop("max_loras", None)
+            kw.pop("max_lora_rank", None)
         kw["distributed_executor_backend"] = kw.get("distributed_executor_backend") or (
             "uni" if self.tensor_parallel_size == 1 else "mp")
         kw.update(self.settings.get("engine_kwargs") or {})
@@ -105,6 +110,23 @@ def model_runner(model: str) -> str:
     except (OSError, ValueError):
         return "generate"
     return "pooling" if archs and not any(a.endswith(_GENERATIVE) for a in archs) else "generate"
+
+
+def check_adapters(lora_modules: dict[str, str], max_lora_rank: int) -> None:
+    """Every LoRA adapter directory exists (local paths; other filesystems are read by the engine) and fits
+    max_lora_rank; else the batch stops here, before any work, with one message."""
+    for name, path in sorted(lora_modules.items()):
+        if "://" in path:
+            continue
+        config_file = Path(path) / "adapter_config.json"
+        try:
+            rank = int(json.loads(config_file.read_text()).get("r") or 0)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"LoRA adapter {name!r}: cannot read {config_file} ({type(exc).__name__}); give "
+                              f"--lora-modules {name}=<adapter directory readable on every executor>") from None
+        if rank > max_lora_rank:
+            raise ConfigError(f"LoRA adapter {name!r} has rank {rank}, over max_lora_rank {max_lora_rank}; raise "
+                              f"--max-lora-rank to at least {rank}")
 
 
 def model_context_length(model: str) -> int:

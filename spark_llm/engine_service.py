@@ -342,6 +342,7 @@ class _Server:
         self.engine: Any = None
         self.parsers: Any = None
         self.pooling = False  #: an embedding engine (vLLM's pooling runner)
+        self.adapters: dict[Optional[str], Any] = {}  #: adapter name -> vLLM LoRARequest (None: the base model)
         self.busy = False
         self.last_used = time.monotonic()
         self.lock = threading.Lock()
@@ -377,22 +378,25 @@ class _Server:
         from .infer import generate_isolating, is_fatal
 
         results: list = [None] * len(requests)
-        prompts, params, index = [], [], []
-        for i, (ids, sampling, _) in enumerate(requests):
+        prompts, params, adapters, index = [], [], [], []
+        for i, (ids, sampling, options) in enumerate(requests):
             try:
                 params.append(sampling_params(sampling, self.pooling))
             except Exception as exc:
                 results[i] = RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
                 continue
             prompts.append({"prompt_token_ids": ids})
+            adapters.append(self.adapters.get(options.get("adapter")))
             index.append(i)
-        if self.pooling:
-            def run(p: list, s: list) -> list:
-                return self.engine.embed(p, pooling_params=s, use_tqdm=False)
-        else:
-            def run(p: list, s: list) -> list:
-                return self.engine.generate(p, s, use_tqdm=False)
-        outs = generate_isolating(run, prompts, params)
+        # the adapter of each request rides with its sampling settings, so that bisection keeps them paired
+        paired = list(zip(params, adapters))
+
+        def run(p: list, s: list) -> list:
+            lora = [a for _, a in s] if any(a is not None for _, a in s) else None
+            if self.pooling:
+                return self.engine.embed(p, pooling_params=[x for x, _ in s], lora_request=lora, use_tqdm=False)
+            return self.engine.generate(p, [x for x, _ in s], lora_request=lora, use_tqdm=False)
+        outs = generate_isolating(run, prompts, paired)
         for i, out in zip(index, outs):
             if isinstance(out, BaseException):
                 if is_fatal(out):
@@ -476,6 +480,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     try:
         server.engine = build_engine(spec)
         server.pooling = spec.settings.get("runner") == "pooling"
+        server.adapters = lora_requests(spec.settings.get("lora_modules") or {})
         server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
                                  spec.settings.get("reasoning_parser"))
     except EngineStartError as exc:
@@ -508,6 +513,16 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         # a thread per connection, so that a stop request is heard while a task is connected; engine calls are
         # serialised by the server's lock
         threading.Thread(target=server.serve_connection, args=(conn,), daemon=True).start()
+
+
+def lora_requests(lora_modules: dict[str, str]) -> dict[Optional[str], Any]:
+    """vLLM ``LoRARequest`` per adapter name, with stable integer ids (1, 2, ... in name order)."""
+    if not lora_modules:
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {name: LoRARequest(name, n, os.path.abspath(path) if "://" not in path else path)
+            for n, (name, path) in enumerate(sorted(lora_modules.items()), 1)}
 
 
 def read_events(directory: Optional[Path] = None) -> list[dict]:

@@ -94,7 +94,9 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     for i, res in zip(owner, results):
         per_row[i].append(res)
     for i, outputs in enumerate(per_row):
-        reply = Reply(rows[i]["request_id"], ctx.served_model_name, created, json.loads(pdf["options_json"].iat[i]))
+        options = json.loads(pdf["options_json"].iat[i])
+        rows[i]["model"] = options.get("adapter") or ctx.served_model_name
+        reply = Reply(rows[i]["request_id"], rows[i]["model"], created, options)
         _answer(rows[i], outputs, pdf["kind"].iat[i], reply)
     unanswered = [i for i, r in enumerate(rows) if r["response_body"] is None and r["error_code"] is None]
     if unanswered:  # the conservation check: every request of the partition has a response or an error
@@ -130,6 +132,8 @@ def _engine_requests(pdf: Any) -> tuple[list[tuple[list[int], dict, dict]], list
         parse = {"reasoning": endpoint.PARSE_REASONING}
         if options.get("tool_choice") == "auto":
             parse["tools"] = options["tools"]
+        if options.get("adapter"):
+            parse["adapter"] = options["adapter"]
         for ids in pdf["prompt_token_ids"].iat[i]:
             requests.append(([int(t) for t in ids], sampling, parse))
             owner.append(i)

@@ -140,18 +140,21 @@ def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col:
                     prefix_aware: bool = True) -> tuple[DataFrame, PartitionPlan]:
     """Assign each valid request (with ``est_tokens``) a planned partition ``_part`` so that estimated tokens are
     balanced: consecutive ranges of the cumulative estimated cost. With ``prefix_aware``, requests are ordered by
-    their first :data:`_PREFIX_TOKENS` prompt tokens, so requests sharing a prefix are consecutive and land in one
-    partition (two when they straddle a boundary, more when they outweigh one) instead of in every one. ``order_col``
-    must identify rows uniquely; which rows form a partition of ``df`` must not change between computations (true of
-    persisted frames and of shuffles by key). The returned frame is persisted: call ``plan.release()`` when done."""
+    their LoRA adapter, then their first :data:`_PREFIX_TOKENS` prompt tokens, so an adapter's requests and requests
+    sharing a prefix are consecutive and land in one partition (two when they straddle a boundary, more when they
+    outweigh one) instead of in every one. ``order_col`` must identify rows uniquely; which rows form a partition of
+    ``df`` must not change between computations (true of persisted frames and of shuffles by key). The returned
+    frame is persisted: call ``plan.release()`` when done."""
     # The assignment must come out the same each time it is computed: rows go to a fixed number of partitions (so
     # AQE cannot regroup them) and are sorted inside each, ties broken by the unique id; the result is persisted.
-    # Prefix-aware: range-partitioned by (prefix, id), a global order in which one dominant prefix still spreads
+    # Prefix-aware: range-partitioned by (adapter, prefix, id), a global order in which one dominant prefix still spreads
     # over many tasks; plain: hashed by the id.
     if order_col in df.columns:
         shuffle_parts = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
         if prefix_aware and "prompt_token_ids" in df.columns:
             keys = [F.slice(F.col("prompt_token_ids")[0], 1, _PREFIX_TOKENS), F.col(order_col)]
+            if "options_json" in df.columns:  # a LoRA adapter's requests together, then by prefix
+                keys.insert(0, F.coalesce(F.get_json_object("options_json", "$.adapter"), F.lit("")))
             df = df.repartitionByRange(shuffle_parts, *keys).sortWithinPartitions(*keys)
         else:
             df = df.repartition(shuffle_parts, order_col).sortWithinPartitions(order_col)

@@ -1,7 +1,8 @@
 """run_batch(spark, config): the table of contents of a run.
 
-    check settings -> context -> destination -> prepare (read, validate, dedupe, count tokens, ids)
-    -> validation errors -> infer in waves (plan, infer, commit) -> report (files, metrics, batch.json, report.html)
+    check settings -> context -> destination -> [GPU clusters: the engines start loading, in the background]
+    -> prepare (read, validate, dedupe, count tokens, ids) -> validation errors
+    -> infer in waves (plan; infer and commit, two waves in flight) -> report (files, batch.json, report.html)
 
 Each stage lives in its own module and takes the run's :class:`~spark_llm.context.RunContext`.
 """
@@ -20,7 +21,7 @@ from . import write
 from .batch import BatchResult
 from .config import BatchConfig
 from .context import RunContext
-from .engine import check_gpu_settings
+from .engine import check_adapters, check_gpu_settings
 from .partition import estimate_cost
 from .prepare import check_size, count_outcomes, prepare
 from .report import Outcome, finish, write_failed_batch
@@ -47,6 +48,7 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     log.info("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))
     with run.job_group():
         try:
+            check_adapters(run.cfg.lora_modules, run.cfg.max_lora_rank)
             outcome = _write_rows(run)
         except BaseException as exc:
             write_failed_batch(run, exc)

@@ -19,7 +19,7 @@ from pyspark.sql import functions as F
 from . import storage
 from .config import BatchConfig, ConfigError
 from .context import RunPaths
-from .engine import resolve
+from .engine import check_adapters, resolve
 from .partition import estimate_cost, num_partitions, task_slots
 from .prepare import prepare
 
@@ -79,6 +79,7 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
     if not (config.input or config.input_table):
         raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
     cfg = resolve(config)
+    check_adapters(cfg.lora_modules, cfg.max_lora_rank)
     source = "given"
     if tokens_per_second is None and cfg.output_dir:
         tokens_per_second = measured_tokens_per_second(spark, RunPaths.from_config(cfg).metrics_table)

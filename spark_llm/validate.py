@@ -37,6 +37,7 @@ class ValidationContext:
     structured_outputs_backend: str
     tool_call_parser: Optional[str]
     runner: str   #: resolved: generate or pooling
+    lora_modules: dict[str, str]
 
 
 def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: ValidationContext) -> Optional[dict]:
@@ -160,7 +161,7 @@ def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
         got = "missing" if "body" not in obj else _json_type(obj["body"])
         raise RequestError(ErrorCode.INVALID_REQUEST, f"body must be a JSON object, got {got}")
     body = obj["body"]
-    _check_model(body, ctx)
+    adapter = _check_model(body, ctx)
     if url not in SERVED_BY[ctx.runner]:
         kind = "an embedding model (runner pooling)" if ctx.runner == "pooling" else "a text generation model"
         raise RequestError(ErrorCode.UNSUPPORTED_ENDPOINT,
@@ -168,6 +169,8 @@ def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
                            f"send {url} lines to a batch with a model for them")
     endpoint = ENDPOINTS[url]
     checked = endpoint.check(body, ctx)
+    if adapter is not None:  # the engine runs the base model with this LoRA adapter; the response names it
+        checked.options["adapter"] = adapter
     row.update(url=url, kind=endpoint.KIND, prompt_json=_dumps(checked.prompt),
                sampling_json=_dumps(checked.sampling), options_json=_dumps(checked.options),
                max_tokens=checked.sampling["max_tokens"])
@@ -177,16 +180,22 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def _check_model(body: dict, ctx: ValidationContext) -> None:
+def _check_model(body: dict, ctx: ValidationContext) -> Optional[str]:
+    """The LoRA adapter the request names, None for the base model; a model this job does not serve is an
+    error."""
     if "model" not in body or body["model"] is None:
         raise RequestError(ErrorCode.INVALID_REQUEST, "body.model is required")
     model = body["model"]
     if not isinstance(model, str):
         raise RequestError(ErrorCode.INVALID_REQUEST, f"body.model must be a string, got {_json_type(model)}")
+    if model in ctx.lora_modules and model != ctx.served_model_name:
+        return model
     if model != ctx.served_model_name:
+        adapters = f" or an adapter: {', '.join(repr(n) for n in sorted(ctx.lora_modules))}" if ctx.lora_modules else ""
         raise RequestError(ErrorCode.MODEL_NOT_FOUND,
                            f"model {truncate(model, 200)!r} is not served by this job; use "
-                           f"{ctx.served_model_name!r}")
+                           f"{ctx.served_model_name!r}{adapters}")
+    return None
 
 
 # ---- Spark glue ----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import unicodedata
 from pathlib import Path
 
-from conftest import KILL_CUSTOM_ID, MODEL_NAME, chat_line, completion_line, write_jsonl
+from conftest import ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, chat_line, completion_line, write_jsonl
 
 OK = "ok"
 SECRET_PROMPT = "zebra-violet-secret-prompt"
@@ -182,6 +182,10 @@ def schema_format(name: str, schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
+def on_model(line: dict, model: str) -> dict:
+    return {**line, "body": {**line["body"], "model": model}}
+
+
 def responses_line(custom_id: str, **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": {"model": MODEL_NAME, **body}}
 
@@ -227,6 +231,11 @@ def shapes_cases() -> list[tuple[dict, str]]:
          OK),
         (completion_line("comp-list", ["Once upon", [5, 6, 7]], temperature=0.8, seed=2, max_tokens=3, n=2), OK),
         (chat_line("max-completion", "Hi", temperature=0, max_completion_tokens=2), OK),
+        # a LoRA adapter: the same prompt on the base model and on the adapter
+        (chat_line("base-story", "Tell a story about Spark.", temperature=0, max_tokens=6), OK),
+        (on_model(chat_line("lora-story", "Tell a story about Spark.", temperature=0, max_tokens=6), ADAPTER), OK),
+        (on_model(completion_line("lora-comp", "Once upon", temperature=0, max_tokens=3), ADAPTER), OK),
+        (on_model(chat_line("no-such-adapter"), "tiny-lora-v2"), "model_not_found"),
         # refused, each with its reason; the rest of the batch runs
         (chat_line("bad-schema", response_format=schema_format("x", {"type": "objectx"})), "invalid_request"),
         (chat_line("bad-schema-compile", response_format=schema_format(

@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 MODEL_NAME = "tiny-llm"
+ADAPTER = "tiny-lora"  #: the LoRA adapter's name (and directory name, beside the tiny model)
 #: The shared run holds a request with this custom_id: the Python worker whose partition holds it dies hard once,
 #: right after its engine call (spark_llm.faults), and Spark retries the partition.
 KILL_CUSTOM_ID = "kill-my-worker"
@@ -64,9 +65,12 @@ def _load_script(name: str):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """The tiny Llama built by scripts/make_tiny_model.py, once per test run."""
+    """The tiny Llama built by scripts/make_tiny_model.py, once per test run, with its LoRA adapter beside it
+    (:data:`ADAPTER`, served by every engine of the run: see engine_settings)."""
     out = tmp_path_factory.mktemp("models") / MODEL_NAME
-    _load_script("make_tiny_model").build_model(out, seed=0)
+    script = _load_script("make_tiny_model")
+    script.build_model(out, seed=0)
+    script.build_lora(out, out.parent / ADAPTER)
     return str(out)
 
 
@@ -104,6 +108,7 @@ def engine_settings(model: str) -> dict:
     return dict(model=model, served_model_name=MODEL_NAME, max_model_len=1024, max_num_seqs=32, dtype="bfloat16",
                 enforce_eager=True, kv_cache_memory_bytes=64 << 20, default_max_tokens=8,
                 target_tokens_per_partition=20_000, num_task_slots=2, tool_call_parser="hermes",
+                lora_modules={ADAPTER: str(Path(model).parent / ADAPTER)}, max_lora_rank=8,
                 # a vLLM limit below what validation allows, so a request can make the real engine fail
                 engine_kwargs={"max_logprobs": 3})
 

@@ -40,7 +40,7 @@ def embedded(spark, tiny_model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("embeddings")
     write_jsonl(root / "in.jsonl", [line for line, _ in LINES])
-    settings = {**engine_settings(tiny_model), "runner": "pooling"}
+    settings = {**engine_settings(tiny_model), "runner": "pooling", "lora_modules": {}}
     result = run_batch(spark, BatchConfig(input=str(root / "in.jsonl"), output_dir=str(root / "out"),
                                           batch_id="b-emb", **settings))
     write_jsonl(root / "again.jsonl", [LINES[0][0]])

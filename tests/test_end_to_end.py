@@ -11,7 +11,7 @@ from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
 from batch_lines import OK
-from conftest import KILL_CUSTOM_ID, MODEL_NAME, engine_settings
+from conftest import ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, engine_settings
 from spark_llm import BatchConfig, ConfigError, run_batch
 from spark_llm.report_html import PLOTS
 from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
@@ -91,7 +91,7 @@ def test_openai_files_match_the_tables_and_validate(spark, run):
         model = {"chat.completion": ChatCompletion, "text_completion": Completion, "response": Response}
         obj = model[body["object"]].model_validate(body)
         usage = body["usage"]
-        assert obj.model == MODEL_NAME and usage["total_tokens"] == usage.get(
+        assert obj.model in (MODEL_NAME, ADAPTER) and usage["total_tokens"] == usage.get(
             "prompt_tokens", usage.get("input_tokens")) + usage.get("completion_tokens", usage.get("output_tokens"))
         assert obj.id.endswith(parsed.response.request_id.split("_", 1)[1])
     for line in err_lines:

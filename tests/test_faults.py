@@ -100,3 +100,13 @@ def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tm
     [reason] = batch["errors"]["data"]
     assert reason["code"] == "engine_start_failed" and "could not start the engine" in reason["message"]
     Batch.model_validate(batch)
+
+
+def test_a_missing_lora_adapter_stops_the_batch_before_any_work(spark, tmp_path, tiny_model):
+    write_jsonl(tmp_path / "in.jsonl", [chat_line("a")])
+    settings = {**engine_settings(tiny_model), "lora_modules": {"gone": str(tmp_path / "no-adapter-here")}}
+    with pytest.raises(ConfigError, match="LoRA adapter 'gone'.*--lora-modules gone="):
+        run_batch(spark, BatchConfig(input=str(tmp_path / "in.jsonl"), output_dir=str(tmp_path / "out"), **settings))
+    batch = json.loads((tmp_path / "out" / "batch.json").read_text())
+    assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "invalid_config"
+    assert spark.read.format("delta").load(str(tmp_path / "out" / "delta" / "outputs")).count() == 0

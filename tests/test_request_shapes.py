@@ -122,6 +122,16 @@ def test_sampling_surface(rows, tiny_model):
     assert rows["max-completion"]["completion_tokens"] == 2
 
 
+def test_a_lora_adapter_answers_under_its_name(rows, errors, spark, shared_run):
+    from conftest import ADAPTER, MODEL_NAME
+
+    base, lora = rows["base-story"], rows["lora-story"]
+    assert (base["model"], body(base)["model"]) == (MODEL_NAME, MODEL_NAME)
+    assert (lora["model"], body(lora)["model"]) == (ADAPTER, ADAPTER) and rows["lora-comp"]["model"] == ADAPTER
+    assert base["prompt_tokens"] == lora["prompt_tokens"] and base["text"] != lora["text"]  # the adapter's weights
+    assert ADAPTER in errors["no-such-adapter"]["message"]
+
+
 def test_bad_shapes_are_error_rows_that_say_what_to_change(errors, shared_run):
     expected = {k: v for k, v in shared_run.expected.items() if k[0] == SHAPES_FILE and v != "ok"}
     assert {(e["file"].rsplit("/", 1)[-1], e["line_number"]): e["code"] for e in errors.values()} == expected
