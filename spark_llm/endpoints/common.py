@@ -133,6 +133,27 @@ def text_content(content: Any, where: str, part_types: tuple[str, ...] = ("text"
     raise invalid(f"{where} must be a string or a list of text parts, got {json_type(content)}")
 
 
+def text_or_token_inputs(value: Any, where: str, url: str, limit: int) -> list:
+    """A completions ``prompt`` / embeddings ``input``: a string, token ids, or a list of up to ``limit`` of either,
+    as a list."""
+    if value is None:
+        raise invalid(f"{where} is required for {url}")
+    if isinstance(value, str) or (isinstance(value, list) and value and all(is_int(t) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise invalid(f"{where} must be a non-empty string, a list of token ids, or a list of either")
+    if len(value) > limit:
+        raise invalid(f"{where} holds {len(value)} items; at most {limit} are allowed per request")
+    for j, item in enumerate(value):
+        at = where if len(value) == 1 else f"{where}[{j}]"
+        if isinstance(item, str):
+            if item == "":
+                raise invalid(f"{at} must not be empty")
+        elif not (isinstance(item, list) and item and all(is_int(t) and t >= 0 for t in item)):
+            raise invalid(f"{at} must be a non-empty string or a list of non-negative token ids")
+    return value
+
+
 # ---- sampling ------------------------------------------------------------------------------------------------
 
 def sampling(body: dict, ctx: Any, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:

@@ -6,20 +6,19 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import common
-from .common import Answer, Checked, Reply, invalid, number
+from .common import Answer, Checked, Reply, number
 
 URL = "/v1/completions"
 KIND = "completion"
 PARSE_REASONING = False  #: completions return the raw text, as vLLM's server does
 FIELDS = (common.SAMPLING_FIELDS | common.HARMLESS_FIELDS
           | {"prompt", "max_tokens", "n", "stop", "logprobs", "response_format"})
-#: Most prompts one line may hold (OpenAI: 2048).
-MAX_PROMPTS = 2048
+MAX_PROMPTS = 2048  #: OpenAI's limit of prompts per request
 
 
 def check(body: dict, ctx: Any) -> Checked:
     common.check_fields(body, FIELDS, URL)
-    prompts = _prompts(body.get("prompt"))
+    prompts = common.text_or_token_inputs(body.get("prompt"), "body.prompt", URL, MAX_PROMPTS)
     sp = common.sampling(body, ctx, ("max_tokens",))
     if body.get("n") is not None:
         sp["n"] = number(body, "n", 1, ctx.max_n, integer=True)
@@ -66,25 +65,6 @@ def respond(outputs: list, reply: Reply) -> Answer:
                       "prompt_tokens_details": {"cached_tokens": cached}},
             "system_fingerprint": None}
     return Answer(body, choices[0]["text"], choices[0]["finish_reason"], prompt_tokens, completion_tokens)
-
-
-def _prompts(prompt: Any) -> list:
-    if prompt is None:
-        raise invalid(f"body.prompt is required for {URL}")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(common.is_int(t) for t in prompt)):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise invalid("body.prompt must be a non-empty string, a list of token ids, or a list of either")
-    if len(prompt) > MAX_PROMPTS:
-        raise invalid(f"body.prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed per request")
-    for j, p in enumerate(prompt):
-        where = "body.prompt" if len(prompt) == 1 else f"body.prompt[{j}]"
-        if isinstance(p, str):
-            if p == "":
-                raise invalid(f"{where} must not be empty")
-        elif not (isinstance(p, list) and p and all(common.is_int(t) and t >= 0 for t in p)):
-            raise invalid(f"{where} must be a non-empty string or a list of non-negative token ids")
-    return prompt
 
 
 def _completion_logprobs(choice: Any, k: Optional[int]) -> Optional[dict]:

@@ -21,22 +21,7 @@ render = completions.render  # the tokenizer's special tokens around text inputs
 
 def check(body: dict, ctx: Any) -> Checked:
     common.check_fields(body, FIELDS, URL)
-    inputs = body.get("input")
-    if inputs is None:
-        raise invalid(f"body.input is required for {URL}")
-    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(common.is_int(t) for t in inputs)):
-        inputs = [inputs]
-    if not isinstance(inputs, list) or not inputs:
-        raise invalid("body.input must be a non-empty string, a list of token ids, or a list of either")
-    if len(inputs) > MAX_INPUTS:
-        raise invalid(f"body.input holds {len(inputs)} inputs; at most {MAX_INPUTS} are allowed per request")
-    for j, item in enumerate(inputs):
-        where = "body.input" if len(inputs) == 1 else f"body.input[{j}]"
-        if isinstance(item, str):
-            if item == "":
-                raise invalid(f"{where} must not be empty")
-        elif not (isinstance(item, list) and item and all(common.is_int(t) and t >= 0 for t in item)):
-            raise invalid(f"{where} must be a non-empty string or a list of non-negative token ids")
+    inputs = common.text_or_token_inputs(body.get("input"), "body.input", URL, MAX_INPUTS)
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise invalid(f"body.encoding_format must be float or base64, got {fmt!r}")
