@@ -3,6 +3,8 @@ arguments, and per-request failure isolation."""
 
 from __future__ import annotations
 
+import json
+
 from types import SimpleNamespace
 
 import pytest
@@ -52,6 +54,32 @@ def test_engine_spec_maps_config_to_vllm_arguments():
     assert kw["distributed_executor_backend"] == "uni" and kw["swap_space"] == 1
     tp = EngineSpec.from_config(BatchConfig(model="/m", tensor_parallel_size=4)).llm_kwargs()
     assert tp["tensor_parallel_size"] == 4 and tp["distributed_executor_backend"] == "mp"
+    # nested vLLM arguments, settings the engine process keeps for itself, LoRA only with adapters
+    assert kw["structured_outputs_config"] == {"backend": "xgrammar", "disable_any_whitespace": True}
+    assert "tool_call_parser" not in kw and "lora_modules" not in kw and "enable_lora" not in kw
+    assert "max_loras" not in kw and "max_lora_rank" not in kw
+    lora = EngineSpec.from_config(BatchConfig(model="/m", tool_call_parser="hermes", lora_modules={"a": "/a"},
+                                              max_lora_rank=32)).llm_kwargs()
+    assert lora["enable_lora"] and lora["max_lora_rank"] == 32 and lora["max_loras"] == 4
+    assert "tool_call_parser" not in lora and "lora_modules" not in lora
+
+
+def test_the_runner_is_read_from_the_model_directory(tmp_path):
+    from spark_llm.engine import model_runner
+
+    def model(name, architectures, *files):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": architectures}))
+        for f in files:
+            (d / f).write_text("[]")
+        return str(d)
+
+    assert model_runner(model("llama", ["LlamaForCausalLM"])) == "generate"
+    assert model_runner(model("vlm", ["Qwen2VLForConditionalGeneration"])) == "generate"
+    assert model_runner(model("bert", ["BertModel"])) == "pooling"
+    assert model_runner(model("st", ["Qwen3ForCausalLM"], "modules.json")) == "pooling"  # sentence-transformers
+    assert model_runner(str(tmp_path / "missing")) == "generate"
 
 
 def test_generate_isolating_finds_the_failing_request():
