@@ -4,7 +4,6 @@ arguments, and per-request failure isolation."""
 from __future__ import annotations
 
 import json
-
 from types import SimpleNamespace
 
 import pytest
