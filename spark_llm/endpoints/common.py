@@ -9,6 +9,7 @@ in the engine process (:mod:`~spark_llm.endpoints.engine_side`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -409,8 +410,6 @@ def template_inputs(messages: list[dict], tools: Optional[list[dict]], choice: s
 
 def call_id(request_id: str, choice: int, k: int) -> str:
     """A deterministic ``call_...`` id: the same request gives the same ids on a rerun."""
-    import hashlib
-
     return "call_" + hashlib.sha256(f"{request_id}/{choice}/{k}".encode()).hexdigest()[:24]
 
 
