@@ -14,6 +14,8 @@ twice on one GPU. So the engine lives beside the workers:
   a server for other settings or another grouping of those devices is asked to stop, and waited for, first.
 - Tasks send token ids and sampling settings over a Unix socket and get plain outputs back; a request the engine
   rejects is isolated there (:func:`~spark_llm.infer.generate_isolating`) and comes back as that request's error.
+- An engine that cannot start is remembered for the executor's life (per settings), so the task's retries fail at
+  once instead of loading the model again for each attempt.
 - A server stops when the executor that started it is gone, after ``engine_idle_timeout_seconds`` without requests,
   when asked, or when its engine dies. It writes what it does to ``events.jsonl`` in the engine directory (one JSON
   line per start, ready and stop), which the tests read as the engine's own records.
@@ -87,6 +89,10 @@ class Output:
     outputs: list[Choice]
     num_cached_tokens: int = 0  #: prompt tokens served from vLLM's prefix cache
     embedding: Optional[list[float]] = None  #: a pooling engine's answer
+
+
+class EngineDied(RuntimeError):
+    """The engine process died (or its engine is dead) during a call: the requests in flight got no answer."""
 
 
 @dataclass
@@ -180,10 +186,24 @@ class EngineClient:
     info: dict              #: the server's info: pid, key, devices, load_seconds
     started_here: bool      #: this task started the server (and so waited for its load_seconds)
     _conn: Any = field(repr=False, default=None)
+    _spec: Any = field(repr=False, default=None)
+    _process: Any = field(repr=False, default=None)
+    rebuilds: int = 0       #: engines this task started again after one died under it
+    rebuild_seconds: float = 0.0  #: seconds this task spent rebuilding dead engines
 
     @property
     def load_seconds(self) -> float:
-        return float(self.info.get("load_seconds", 0.0)) if self.started_here else 0.0
+        first = float(self.info.get("load_seconds", 0.0)) if self.started_here else 0.0
+        return first + self.rebuild_seconds
+
+    def rebuild(self) -> None:
+        """Start the slot's engine again after it died (:class:`EngineDied`), in place: the task keeps its slot."""
+        self.close()
+        stop_engines_on(self.slot)  # a server whose engine is dead but whose process lingers
+        self.info = _start_server(self.slot, self._spec, self._process)
+        self.rebuild_seconds += float(self.info.get("load_seconds", 0.0))
+        self._conn = _connect(self.slot, self.info)
+        self.rebuilds += 1
 
     def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list[Output | RequestFailure]:
         """One result per (prompt token ids, SamplingParams keyword arguments, what to parse out of the answer:
@@ -195,8 +215,10 @@ class EngineClient:
             self._conn.send((op, *args))
             status, value = self._conn.recv()
         except (EOFError, OSError) as exc:
-            raise RuntimeError(f"the engine process of slot {self.slot.name} (pid {self.info.get('pid')}) died "
-                               f"during a call ({type(exc).__name__}); see {self.slot.path('.log')}") from None
+            raise EngineDied(f"the engine process of slot {self.slot.name} (pid {self.info.get('pid')}) died "
+                             f"during a call ({type(exc).__name__}); see {self.slot.path('.log')}") from None
+        if status == "dead":
+            raise EngineDied(f"engine of slot {self.slot.name}: {value}")
         if status != "ok":
             raise RuntimeError(f"engine of slot {self.slot.name}: {value}")
         return value
@@ -238,6 +260,9 @@ def _connect(slot: Slot, info: dict) -> Any:
 def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSettings) -> Iterator[EngineClient]:
     """The engine of this task's slot for ``spec`` (an :class:`~spark_llm.engine.EngineSpec`), started if needed
     (stopping whatever else holds the slot's devices first); the slot is held until the block ends."""
+    failed = engine_dir() / f"start-failed-{executor_pid()}-{spec.key}.txt"
+    if failed.exists():  # a retried task: the same settings failed on this executor already, do not load again
+        raise EngineStartError(failed.read_text())
     with hold_slot(gpus) as slot:
         info = _read_info(slot)
         conn = None
@@ -249,9 +274,13 @@ def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSetting
         started = conn is None
         if started:
             stop_engines_on(slot)
-            info = _start_server(slot, spec, process)
+            try:
+                info = _start_server(slot, spec, process)
+            except EngineStartError as exc:
+                failed.write_text(str(exc))
+                raise
             conn = _connect(slot, info)
-        client = EngineClient(slot, info, started, conn)
+        client = EngineClient(slot, info, started, conn, spec, process)
         try:
             yield client
         finally:
@@ -439,7 +468,7 @@ class _Server:
                     fatal = is_fatal(exc)
                     message = f"{type(exc).__name__}: {exc}" + (" (the engine is dead)" if fatal else "")
                     with contextlib.suppress(Exception):
-                        conn.send(("error", message))
+                        conn.send(("dead" if fatal else "error", message))
                     if fatal:
                         self.stop(f"engine dead: {exc}", code=1)
                 finally:

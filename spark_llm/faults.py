@@ -5,6 +5,10 @@ The value is one or more faults separated by ``;``:
 - ``kill_worker_once:<marker path>[:<custom_id>]`` (executors): the Python worker that finishes an engine call
   exits hard (as if OOM-killed) before yielding its results; with a custom_id only a partition holding that request
   does. The marker file (created atomically) makes it happen once.
+- ``crash_on_custom_id:<custom_id>`` (executors): the Python worker dies hard (as if OOM-killed) whenever an
+  engine call holding that request starts: a poison request that takes its task down on every attempt.
+- ``kill_engine_on_custom_id:<custom_id>`` (executors): the task kills its engine process (``SIGKILL``) whenever an
+  engine call holding that request starts: a poison request that crashes the engine under a live worker.
 - ``exit_after_wave:<N>`` (driver): the driver exits hard right after committing wave N.
 """
 
@@ -12,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Collection, Iterator
+import signal
+from typing import Collection, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,19 @@ def maybe_kill_worker(custom_ids: Collection[str]) -> None:
             continue
         log.error("fault injection: killing Python worker %d mid-partition", os.getpid())
         os._exit(137)
+
+
+def before_engine_call(custom_ids: Collection[str], engine_pid: Optional[int]) -> None:
+    """``crash_on_custom_id`` / ``kill_engine_on_custom_id``: called by an inference task as an engine call starts
+    (after its in-flight marker is written)."""
+    for args in _faults("crash_on_custom_id"):
+        if args[0] in custom_ids:
+            log.error("fault injection: Python worker %d dies with %r in flight", os.getpid(), args[0])
+            os._exit(137)
+    for args in _faults("kill_engine_on_custom_id"):
+        if args[0] in custom_ids and engine_pid:
+            log.error("fault injection: killing engine process %d with %r in flight", engine_pid, args[0])
+            os.kill(engine_pid, signal.SIGKILL)
 
 
 def maybe_exit_after_wave(number: int) -> None:

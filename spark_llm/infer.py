@@ -3,7 +3,9 @@
 One ``mapInPandas`` task hands its entire partition to its slot's engine (:mod:`~spark_llm.engine_service`) in one
 call so vLLM's continuous batching keeps the device busy; each row's endpoint module (:mod:`~spark_llm.endpoints`)
 turns its outputs into the OpenAI response body. A request the engine rejects becomes that request's
-``engine_error`` row (the failing batch is bisected to find it); a dead engine fails the task, and Spark retries it.
+``engine_error`` row (the failing batch is bisected to find it). A request that kills the engine is found and set
+aside by :mod:`~spark_llm.quarantine` (the engine is rebuilt in place; a dead worker's task is retried by Spark and
+its next attempt reads the partition's journal), so it becomes one ``engine_error`` row and the rest completes.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from . import faults
 from .engine import EngineSpec, task_gpus
 from .endpoints import BY_KIND, Reply
-from .engine_service import EngineClient, ProcessSettings, RequestFailure, engine_for
+from .engine_service import EngineClient, EngineDied, ProcessSettings, RequestFailure, engine_for
 from .errors import ErrorCode, truncate
+from .quarantine import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .schemas import RESULT_FIELDS
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ class InferContext:
     process: ProcessSettings
     wave: int = 0
     metrics: Any = None  # a Spark accumulator of per-partition records (see metrics.py), or None
+    journal: Optional[str] = None  #: where partitions keep their quarantine journals (see quarantine.py)
 
 
 # ---- the partition function ------------------------------------------------------------------------------------
@@ -82,18 +86,24 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     rows = [_base_row(pdf, i, ctx) for i in range(n)]
     requests, owner = _engine_requests(pdf)
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
+    journal = Journal.open(ctx.journal, int(pdf["_part"].iat[0]) if "_part" in pdf else -1)
     with engine_for(ctx.engine, gpus, ctx.process) as engine:
         t0 = time.monotonic()
-        results = engine.generate(requests)
-        engine_s = time.monotonic() - t0
+        guarded = generate_guarded(engine, requests, owner, pdf, journal)
+        engine_s = time.monotonic() - t0 - engine.rebuild_seconds
     log.info("partition: %d requests in %.1fs on engine %s (load %.1fs)", n, engine_s, engine.slot.name,
              engine.load_seconds)
     faults.maybe_kill_worker(set(pdf["custom_id"]))
     created = int(time.time())
+    results = guarded.results
     per_row: list[list] = [[] for _ in range(n)]
     for i, res in zip(owner, results):
         per_row[i].append(res)
+    for i in guarded.quarantined:
+        rows[i].update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=quarantine_message(guarded.deaths))
     for i, outputs in enumerate(per_row):
+        if i in guarded.quarantined:
+            continue
         options = json.loads(pdf["options_json"].iat[i])
         rows[i]["model"] = options.get("adapter") or ctx.served_model_name
         reply = Reply(rows[i]["request_id"], rows[i]["model"], created, options)
@@ -102,13 +112,63 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     if unanswered:  # the conservation check: every request of the partition has a response or an error
         raise AssertionError(f"{len(unanswered)} of {n} requests got neither a response nor an error")
     if ctx.metrics is not None:
-        cached = sum(r.num_cached_tokens for r in results if not isinstance(r, RequestFailure))
+        cached = sum(r.num_cached_tokens for r in results if r is not None and not isinstance(r, RequestFailure))
         ctx.metrics.add([{**_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus),
-                          "cached_prompt_tokens": cached}])
+                          "cached_prompt_tokens": cached, "engine_deaths": guarded.deaths}])
     out = pd.DataFrame(rows, columns=list(RESULT_FIELDS))
     for col in ("line_number", "prompt_tokens", "completion_tokens", "total_tokens", "created"):
         out[col] = out[col].astype("Int64")
     yield out
+
+
+@dataclass(frozen=True)
+class Guarded:
+    """A partition's engine results: per engine request its output or failure (None for quarantined rows)."""
+
+    results: list
+    quarantined: set[int]  #: rows set aside as poison requests
+    deaths: int            #: engine deaths on record for the partition (earlier attempts' and this one's)
+
+
+def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf: Any,
+                     journal: Optional[Journal]) -> Guarded:
+    """All requests of the partition through the engine, in one call unless deaths are on record; a call during
+    which the engine dies is recorded as a death, the engine rebuilt, and the rest replanned
+    (:func:`~spark_llm.quarantine.isolation_plan`)."""
+    ids = [str(x) for x in pdf["id"]]
+    row_of = {rid: i for i, rid in enumerate(ids)}
+    by_row: dict[int, list[int]] = {}
+    for j, i in enumerate(owner):
+        by_row.setdefault(i, []).append(j)
+    deaths = journal.deaths() if journal is not None else []
+    results: list = [None] * len(requests)
+    done: set[str] = set()
+    while True:
+        plan = isolation_plan([r for r in ids if r not in done], deaths)
+        if plan.isolating:
+            log.warning("partition: %d engine death(s) on record; isolating in %d calls, %d request(s) set aside",
+                        len(deaths), len(plan.calls), len(plan.quarantined))
+        call: list[str] = []
+        try:
+            for call in plan.calls:
+                rows = [row_of[r] for r in call]
+                idx = [j for i in rows for j in by_row[i]]
+                marker = journal.mark(call) if journal is not None else None
+                faults.before_engine_call({str(pdf["custom_id"].iat[i]) for i in rows}, engine.info.get("pid"))
+                for j, out in zip(idx, engine.generate([requests[j] for j in idx])):
+                    results[j] = out
+                if marker is not None:
+                    journal.clear(marker)
+                done.update(call)
+        except EngineDied as exc:
+            deaths.append(frozenset(call))
+            if engine.rebuilds >= MAX_ENGINE_REBUILDS:
+                raise
+            log.warning("partition: the engine died with %d request(s) in flight (%s); rebuilding it", len(call),
+                        str(exc).splitlines()[0])
+            engine.rebuild()
+            continue
+        return Guarded(results, {row_of[r] for r in plan.quarantined}, len(deaths))
 
 
 def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:

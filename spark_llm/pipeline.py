@@ -24,6 +24,7 @@ from .context import RunContext
 from .engine import check_adapters, check_gpu_settings
 from .partition import estimate_cost
 from .prepare import check_size, count_outcomes, prepare
+from .quarantine import retry_budget_warning
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta
 from .waves import EngineWarmup, infer_in_waves
@@ -42,7 +43,10 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
         raise TypeError(f"config must be a spark_llm.BatchConfig, got {type(config).__name__}")
     config.require_ready()
     check_delta(spark)
-    check_gpu_settings(dict(spark.sparkContext.getConf().getAll()), config.tensor_parallel_size)
+    conf = dict(spark.sparkContext.getConf().getAll())
+    check_gpu_settings(conf, config.tensor_parallel_size)
+    if (warning := retry_budget_warning(conf)) is not None:
+        log.warning("%s", warning)
     run = RunContext.start(spark, config)
     write.prepare_destination(run)
     log.info("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))

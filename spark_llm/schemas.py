@@ -111,6 +111,7 @@ METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "cached_prompt_tokens": (L, "Prompt tokens the engine served from its prefix cache (vLLM's num_cached_tokens); "
                                 "/ prompt_tokens is the partition's prefix-cache hit rate"),
     "completion_tokens": (L, "Generated tokens of the partition's successful requests"),
+    "engine_deaths": (L, "Engine deaths while the partition ran, earlier attempts' included (see quarantine.py)"),
     "engine_load_seconds": (T.DoubleType(), "Seconds spent building the engine (0 when the worker had it cached)"),
     "engine_seconds": (T.DoubleType(), "Seconds inside the engine's generate call"),
     "tokens_per_second": (T.DoubleType(), "(prompt + generated tokens) / engine_seconds"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from typing import Mapping, Optional
 
@@ -27,6 +28,9 @@ LOCAL_DEFAULTS = {
 #: interpreter, and a 1 GiB KV cache when vLLM runs on the CPU (the CPU build reads this variable, GPU builds do
 #: not).
 LOCAL_ENV = {"PYSPARK_PYTHON": sys.executable, "VLLM_CPU_KVCACHE_SPACE": "1"}
+#: Attempts of a task in a local session (``local[N,F]``): enough for a poison request to be isolated and set
+#: aside (spark_llm.quarantine), as ``spark.task.maxFailures`` on a cluster.
+LOCAL_TASK_ATTEMPTS = 8
 DELTA_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
@@ -57,7 +61,7 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
 
-    builder = SparkSession.builder.appName(app_name).master(master or "local[2]")
+    builder = SparkSession.builder.appName(app_name).master(with_task_retries(master or "local[2]"))
     settings = {**LOCAL_DEFAULTS, **DELTA_CONF, "spark.pyspark.python": sys.executable,
                 "spark.pyspark.driver.python": sys.executable, **dict(conf or {})}
     for key, value in settings.items():
@@ -65,6 +69,13 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     spark = configure_spark_with_delta_pip(builder).getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def with_task_retries(master: str) -> str:
+    """``local`` / ``local[N]`` with :data:`LOCAL_TASK_ATTEMPTS` attempts per task (``local[N,F]``): a local master
+    otherwise gives a task one attempt, so one dead worker would fail the batch. Other masters are kept."""
+    match = re.fullmatch(r"local(?:\[(\d+|\*)\])?", master.strip())
+    return f"local[{match.group(1) or 1},{LOCAL_TASK_ATTEMPTS}]" if match else master
 
 
 def check_delta(spark: SparkSession) -> None:

@@ -7,7 +7,8 @@ import json
 import unicodedata
 from pathlib import Path
 
-from conftest import ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, chat_line, completion_line, write_jsonl
+from conftest import (ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, POISON_ENGINE_ID, POISON_WORKER_ID, chat_line,
+                      completion_line, write_jsonl)
 
 OK = "ok"
 SECRET_PROMPT = "zebra-violet-secret-prompt"
@@ -50,12 +51,14 @@ def build_e2e_input(root: Path) -> dict[tuple[str, int], str]:
         completion_line("comp-b", "The weather today", temperature=0, max_tokens=4),
         "{truncated",
         chat_line(KILL_CUSTOM_ID, "The worker answering this dies once.", temperature=0, max_tokens=2),
+        chat_line(POISON_WORKER_ID, "The worker dies whenever this is in flight.", temperature=0, max_tokens=2),
+        chat_line(POISON_ENGINE_ID, "The engine dies whenever this is in flight.", temperature=0, max_tokens=2),
     ]
     expected_a = [OK, OK, None, OK, OK, OK, OK, OK, OK, OK, "invalid_json", "invalid_json", "invalid_encoding",
                   "invalid_custom_id", "invalid_method", "unsupported_endpoint", "invalid_request",
                   "model_not_found", "invalid_request", "invalid_request", "unsupported_parameter", "invalid_request",
                   "invalid_request", "context_length_exceeded", "duplicate_custom_id", "engine_error"]
-    expected_b = ["duplicate_custom_id", OK, "invalid_json", OK]
+    expected_b = ["duplicate_custom_id", OK, "invalid_json", OK, "engine_error", "engine_error"]
     root.mkdir(parents=True, exist_ok=True)
     write_jsonl(root / "a.jsonl", a)
     write_jsonl(root / "b.jsonl", b)

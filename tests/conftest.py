@@ -21,6 +21,10 @@ ADAPTER = "tiny-lora"  #: the LoRA adapter's name (and directory name, beside th
 #: The shared run holds a request with this custom_id: the Python worker whose partition holds it dies hard once,
 #: right after its engine call (spark_llm.faults), and Spark retries the partition.
 KILL_CUSTOM_ID = "kill-my-worker"
+#: Poison requests of the shared run (spark_llm.faults): the Python worker dies whenever the first is in an engine
+#: call, the engine process whenever the second is; each must end as one engine_error row, the rest answered.
+POISON_WORKER_ID = "poison-kills-worker"
+POISON_ENGINE_ID = "poison-kills-engine"
 
 
 @pytest.fixture(scope="session")
@@ -42,11 +46,12 @@ def spark(tmp_path_factory, kill_marker, engine_dir):
     from spark_llm.session import get_session
 
     # set before Spark starts: local workers inherit the driver's environment
-    os.environ[FAULT_ENV] = f"kill_worker_once:{kill_marker}:{KILL_CUSTOM_ID}"
+    os.environ[FAULT_ENV] = (f"kill_worker_once:{kill_marker}:{KILL_CUSTOM_ID};crash_on_custom_id:{POISON_WORKER_ID};"
+                             f"kill_engine_on_custom_id:{POISON_ENGINE_ID}")
     os.environ[ENGINE_DIR_ENV] = str(engine_dir)
     warehouse = tmp_path_factory.mktemp("warehouse")
-    # local[2, 2]: two task slots, and a failed task is retried once (as on a cluster), for the fault tests
-    session = get_session(master="local[2,2]", conf={
+    # local[2]: two task slots; get_session gives a local master the task retries the quarantine needs
+    session = get_session(master="local[2]", conf={
         "spark.ui.enabled": "false",
         "spark.sql.shuffle.partitions": "2",
         "spark.sql.warehouse.dir": str(warehouse),

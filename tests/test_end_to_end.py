@@ -11,7 +11,7 @@ from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
 from batch_lines import OK
-from conftest import ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, engine_settings
+from conftest import ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, POISON_ENGINE_ID, POISON_WORKER_ID, engine_settings
 from spark_llm import BatchConfig, ConfigError, run_batch
 from spark_llm.report_html import PLOTS
 from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
@@ -171,8 +171,9 @@ def test_batch_object(spark, run):
                                                               ("a.jsonl", 14, "invalid_custom_id"),
                                                               ("b.jsonl", 3, "invalid_json")]
     plan = batch["partition_plan"]
-    # every request that reached the engine was planned: the completed ones and the one the engine rejected
-    assert plan["num_partitions"] == 2 and sum(plan["requests_per_partition"]) == result.completed + 1
+    # every request that reached the engine was planned: the completed ones, the one the engine rejected and the two
+    # poison requests
+    assert plan["num_partitions"] == 2 and sum(plan["requests_per_partition"]) == result.completed + 3
 
 
 def test_non_empty_output_dir_is_refused(spark, run, tiny_model):
@@ -193,7 +194,7 @@ def test_metrics_table_agrees_with_the_outputs(spark, run):
     assert sum(m["rows"] for m in metrics) == sum(plan["requests_per_partition"])
     assert sum(m["prompt_tokens"] for m in metrics) == outs[0] == result.batch.usage.input_tokens
     assert sum(m["completion_tokens"] for m in metrics) == outs[1] == result.batch.usage.output_tokens
-    assert sum(json.loads(m["errors_by_code"]).get("engine_error", 0) for m in metrics) == 1
+    assert sum(json.loads(m["errors_by_code"]).get("engine_error", 0) for m in metrics) == 3  # 1 rejected, 2 poison
     assert all(m["engine_seconds"] > 0 and m["finished_at"] >= m["started_at"] for m in metrics)
     # busy fraction: engine seconds over (task slots x the run's inference wall), one run
     assert len({m["run_id"] for m in metrics}) == 1 and {m["task_slots"] for m in metrics} == {plan["task_slots"]}
@@ -215,7 +216,7 @@ def test_report_html_has_the_summary_and_plots(run):
     for name in PLOTS:
         assert f'alt="{name}" src="data:image/png;base64,' in page
     invalid_json = sum(1 for outcome in expected.values() if outcome == "invalid_json")
-    assert "<td>engine_error</td><td>1</td>" in page and f"<td>invalid_json</td><td>{invalid_json}</td>" in page
+    assert "<td>engine_error</td><td>3</td>" in page and f"<td>invalid_json</td><td>{invalid_json}</td>" in page
     busy = result.batch.partition_plan["busy_fraction"]
     assert f"<th>engine busy fraction (engine time / (slots x inference wall))</th><td>{busy:.1%}</td>" in page
 
@@ -224,7 +225,8 @@ def test_progress_line_in_driver_log(run, shared_run):
     result, _, _ = run
     progress = [m for m in shared_run.logs if m.startswith("progress b-e2e: wave ")]
     assert progress, shared_run.logs
-    assert f"requests {result.completed + 1}/{result.completed + 1} (100.0%)" in progress[-1]
+    engine_errors = 3  # one request the engine rejects, two poison requests
+    assert f"requests {result.completed + engine_errors}/{result.completed + engine_errors} (100.0%)" in progress[-1]
     assert "tok/s" in progress[-1] and "eta" in progress[-1]
 
 
@@ -234,6 +236,29 @@ def test_worker_killed_mid_partition_is_retried_exactly_once(spark, run, kill_ma
     killed = outputs_df(spark, result).where(F.col("custom_id") == KILL_CUSTOM_ID).collect()
     assert len(killed) == 1 and killed[0]["completion_tokens"] == 2
     assert Path(result.output_file).read_text().count(f'"custom_id":"{KILL_CUSTOM_ID}"') == 1
+
+
+def test_poison_requests_are_set_aside_and_the_rest_of_their_partitions_answered(spark, run, engine_dir, tiny_model):
+    """One request kills its Python worker, one its engine process, on every attempt (spark_llm.faults): each ends
+    as one engine_error row, every other line as expected (test_every_line_ends_exactly_once_in_the_delta_tables)."""
+    from spark_llm.engine import EngineSpec, resolve
+    from spark_llm.engine_service import read_events
+
+    result, _, _ = run
+    poison = errors_df(spark, result).where(F.col("custom_id").isin(POISON_WORKER_ID, POISON_ENGINE_ID)).collect()
+    assert sorted((r["custom_id"], r["code"]) for r in poison) == [(POISON_ENGINE_ID, "engine_error"),
+                                                                  (POISON_WORKER_ID, "engine_error")]
+    assert all("died twice while running this request" in r["message"] for r in poison)
+    metrics = spark.read.format("delta").load(result.batch.metadata["metrics_table"]).collect()
+    # each was in flight at two deaths at least, one death may hold both: the deaths are on record ...
+    assert sum(m["engine_deaths"] for m in metrics if m["batch_id"] == "b-e2e") >= 3
+    # ... and the engine killed under a live worker was rebuilt in place (twice at least) during the run
+    key = EngineSpec.from_config(resolve(BatchConfig(**engine_settings(tiny_model)))).key
+    rebuilt = [e for e in read_events(engine_dir) if e["event"] == "ready" and e["key"] == key
+               and result.batch.created_at <= e["time"] <= result.batch.completed_at]
+    assert len(rebuilt) >= 2
+    # the journal of the run went with the staging area
+    assert not Path(result.output_dir, "_staging").exists()
 
 
 def test_dry_run_plans_the_same_batch_without_an_engine_or_writes(spark, run, tiny_model, tmp_path, engine_dir):
@@ -247,9 +272,10 @@ def test_dry_run_plans_the_same_batch_without_an_engine_or_writes(spark, run, ti
                                          **engine_settings(tiny_model)), tokens_per_second=100.0)
     errors = errors_df(spark, result).where(F.col("code") != "engine_error").groupBy("code").count().collect()
     assert plan.errors_by_code == {r["code"]: r["count"] for r in errors}
-    assert plan.lines == len(expected) and plan.requests == result.completed + 1  # + the one the engine rejects
-    # the same token counts as the run: its prompts, plus the short one the engine rejected ("Hi")
-    assert 0 < plan.prompt_tokens - result.batch.usage.input_tokens < 32
+    # + the one the engine rejects and the two poison requests
+    assert plan.lines == len(expected) and plan.requests == result.completed + 3
+    # the same token counts as the run: its prompts, plus the three short ones that ended as engine errors
+    assert 0 < plan.prompt_tokens - result.batch.usage.input_tokens < 3 * 32
     assert plan.max_output_tokens >= result.batch.usage.output_tokens
     assert (plan.partitions, plan.waves) == (result.batch.partition_plan["num_partitions"], 1)
     assert plan.engine_seconds == (plan.prompt_tokens + plan.max_output_tokens) / 100.0

@@ -1,0 +1,184 @@
+"""Poison-request quarantine: no single request can take the batch down.
+
+A request that kills the engine (a kernel segfault, an out-of-memory kill, a CUDA error) would kill it again on every
+retry of its task, and after ``spark.task.maxFailures`` the batch would fail; ``--resume`` would meet it again. So
+every engine call of a partition is recorded before it starts, in a small **journal** every attempt of the
+partition can read (a marker file per call, under the run's staging area), and removed when the call returns. A
+marker still there is a **death**: the engine (or the Python worker, or the executor) died while those requests
+were in flight.
+
+Where deaths are on record, :func:`isolation_plan` narrows them down: the requests of the smallest death run first,
+in :data:`FANOUT` smaller calls, and the requests never in flight at a death run together afterwards. A request in
+flight during two deaths, the last of them with no other request in the call, is **quarantined**: it becomes an
+``engine_error`` row and the rest of the partition completes. Deaths of the engine process in a live worker are
+handled within the task (the engine is rebuilt in place, :data:`MAX_ENGINE_REBUILDS` times at most); deaths of the
+worker or executor through the task's retries, which is why the retry budget (``spark.task.maxFailures``, or
+``local[N,F]``) must cover the isolation: ``1 + ceil(log_FANOUT(partition rows)) + 1`` attempts for one poison
+request, 5 for a 4,000-row partition.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+#: After a death, its requests run again in this many smaller calls (so a poison request in a partition of ``n``
+#: rows is alone in a call after about ``log_FANOUT(n)`` deaths).
+FANOUT = 16
+#: Task attempts a cluster should allow (``spark.task.maxFailures``): a poison request in a partition of up to
+#: FANOUT**4 (65,536) rows set aside, plus two failures of other causes.
+RECOMMENDED_TASK_ATTEMPTS = 8
+#: Engine deaths a task survives by rebuilding the engine in place; after that the task fails and its next attempt
+#: continues from the journal.
+MAX_ENGINE_REBUILDS = 6
+
+
+@dataclass(frozen=True)
+class IsolationPlan:
+    quarantined: list[str]      #: request ids that become engine_error rows
+    calls: list[list[str]]      #: request ids of each engine call, in order
+
+    @property
+    def isolating(self) -> bool:
+        return len(self.calls) > 1 or bool(self.quarantined)
+
+
+def isolation_plan(ids: Sequence[str], deaths: Sequence[frozenset[str]], fanout: int = FANOUT) -> IsolationPlan:
+    """How to run the requests ``ids`` given the in-flight sets of the deaths on record (earlier attempts' and this
+    one's): quarantined requests, then the engine calls, suspects first (smallest death first, each in ``fanout``
+    chunks), the requests never in flight at a death last, in one call. Without deaths: one call over all."""
+    present = set(ids)
+    deaths = [d & present for d in deaths]
+    deaths = [d for d in deaths if d]
+    count = Counter(r for d in deaths for r in d)
+    smallest: dict[str, frozenset[str]] = {}
+    for d in sorted(deaths, key=lambda d: (-len(d), sorted(d))):  # later (smaller) sets win
+        for r in d:
+            smallest[r] = d
+    quarantined = sorted(r for r in present if count[r] >= 2 and len(smallest[r]) == 1)
+    groups: dict[frozenset[str], list[str]] = {}
+    for r in ids:
+        if r in smallest and r not in quarantined:
+            groups.setdefault(smallest[r], []).append(r)
+    calls: list[list[str]] = []
+    for death in sorted(groups, key=lambda d: (len(d), sorted(d))):
+        members = groups[death]
+        size = max(1, math.ceil(len(death) / fanout))
+        calls.extend(members[i:i + size] for i in range(0, len(members), size))
+    clean = [r for r in ids if r not in smallest]
+    if clean:
+        calls.append(clean)
+    return IsolationPlan(quarantined, calls)
+
+
+def task_attempts_needed(rows: int, fanout: int = FANOUT) -> int:
+    """Attempts of a task whose worker dies on one poison request among ``rows``: the first death, one death per
+    narrowing down to the request alone, and the attempt that completes."""
+    narrowings, size = 0, rows
+    while size > 1:
+        size, narrowings = math.ceil(size / fanout), narrowings + 1
+    return 2 + max(1, narrowings)
+
+
+def retry_budget_warning(conf: dict) -> Optional[str]:
+    """What to change when the session's task attempts are fewer than :data:`RECOMMENDED_TASK_ATTEMPTS`."""
+    master = conf.get("spark.master", "")
+    match = re.fullmatch(r"local(?:\[[^,\]]+(?:,(\d+))?\])?", master)
+    if match:
+        attempts = int(match.group(1) or 1)
+        fix = f"use local[N,F] with F >= {RECOMMENDED_TASK_ATTEMPTS}"
+    else:
+        attempts = int(conf.get("spark.task.maxFailures", 4))
+        fix = f"set spark.task.maxFailures >= {RECOMMENDED_TASK_ATTEMPTS}"
+    if attempts >= RECOMMENDED_TASK_ATTEMPTS:
+        return None
+    return (f"tasks get {attempts} attempt(s): a request that kills its Python worker or executor every time could "
+            f"fail the batch before it is set aside ({fix}; see README, 'Poison requests')")
+
+
+def quarantine_message(deaths: int) -> str:
+    return (f"the engine process died twice while running this request (and {deaths} time(s) in all while its "
+            f"partition was isolated), so it was set aside and the rest of the batch went on; run it alone to "
+            f"reproduce (e.g. with a smaller max_tokens, or without its logprobs / structured-output settings)")
+
+
+# ---- the journal ---------------------------------------------------------------------------------------------
+
+def _python_filesystem(uri: str) -> tuple[Any, str]:
+    """A pyarrow filesystem and path for a Hadoop-style URI, as an executor's Python worker can open it: local and
+    ``file:`` paths, Databricks' ``dbfs:/`` (its ``/dbfs`` mount), ``s3a://`` as ``s3://``, and what pyarrow
+    understands (``gs://``, ``abfss://``, ``hdfs://``)."""
+    from pyarrow import fs
+
+    if uri.startswith("dbfs:/"):
+        uri = "/dbfs/" + uri[len("dbfs:/"):].lstrip("/")
+    elif uri.startswith(("s3a://", "s3n://")):
+        uri = "s3://" + uri.split("://", 1)[1]
+    if "://" not in uri and not uri.startswith("file:"):
+        return fs.LocalFileSystem(), os.path.abspath(uri)
+    if uri.startswith("file:"):
+        return fs.LocalFileSystem(), "/" + uri[len("file:"):].lstrip("/")
+    return fs.FileSystem.from_uri(uri)
+
+
+@dataclass
+class Journal:
+    """The in-flight markers of one partition's engine calls (see the module docs)."""
+
+    fs: Any
+    root: str
+
+    @classmethod
+    def open(cls, base: Optional[str], partition: int) -> Optional["Journal"]:
+        """The journal of ``partition`` under ``base`` (the run's staging area), or None without one. A base this
+        worker cannot open falls back to the engine directory of the host (retries on another host then start
+        afresh), with a warning."""
+        if not base:
+            return None
+        try:
+            filesystem, root = _python_filesystem(f"{base.rstrip('/')}/p{partition}")
+            filesystem.create_dir(root, recursive=True)
+        except Exception as exc:
+            from .engine_service import engine_dir
+
+            root = str(engine_dir() / "journal" / base.strip("/").replace("/", "_").replace(":", "") / f"p{partition}")
+            log.warning("quarantine journal: cannot use %s from this worker (%s); using %s on this host", base,
+                        str(exc).splitlines()[0], root)
+            from pyarrow import fs
+
+            filesystem = fs.LocalFileSystem()
+            filesystem.create_dir(root, recursive=True)
+        return cls(filesystem, root)
+
+    def deaths(self) -> list[frozenset[str]]:
+        """The in-flight sets of the calls that never returned (earlier attempts)."""
+        from pyarrow import fs
+
+        found = []
+        for info in self.fs.get_file_info(fs.FileSelector(self.root, allow_not_found=True)):
+            if info.type == fs.FileType.File and info.base_name.endswith(".json"):
+                with self.fs.open_input_stream(info.path) as f:
+                    try:
+                        found.append(frozenset(json.loads(f.read().decode())))
+                    except ValueError:  # a marker cut short by the death itself: its call is unknown
+                        continue
+        return found
+
+    def mark(self, ids: Sequence[str]) -> str:
+        """Record a call's requests before it starts; returns the marker to :meth:`clear` when it returns."""
+        path = f"{self.root}/{uuid.uuid4().hex}.json"
+        with self.fs.open_output_stream(path) as f:
+            f.write(json.dumps(list(ids)).encode())
+        return path
+
+    def clear(self, marker: str) -> None:
+        self.fs.delete_file(marker)
