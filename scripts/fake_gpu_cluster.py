@@ -8,6 +8,10 @@ one JSON object: the batch's counts, the per-partition metrics (GPU addresses he
 engine processes' own records (``events.jsonl``) and how many tasks a CPU-only stage ran at once.
 
     python scripts/fake_gpu_cluster.py --model .cache/tiny-llm --requests 240 --gpus 2 --out /tmp/fake-gpu
+
+Also a drill for a lost executor: ``--gpus 0 --executors 2 --kill-executor`` kills one executor's JVM as an engine
+call holding the middle request starts (``kill_executor_once``, spark_llm.faults); the batch must still finish with
+every line exactly once.
 """
 
 from __future__ import annotations
@@ -62,8 +66,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True, help="work directory (input, results, engine directory)")
     p.add_argument("--requests", type=int, default=240)
-    p.add_argument("--gpus", type=int, default=2, help="fake GPUs of the one executor")
-    p.add_argument("--cores", type=int, default=4, help="executor cores")
+    p.add_argument("--gpus", type=int, default=2, help="fake GPUs of each executor (0: no GPU scheduling)")
+    p.add_argument("--executors", type=int, default=1)
+    p.add_argument("--cores", type=int, default=4, help="cores of each executor")
+    p.add_argument("--kill-executor", action="store_true",
+                   help="kill one executor's JVM as an engine call holding the middle request starts")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--task-gpu-amount", type=int, default=None,
                    help="set spark.task.resource.gpu.amount for every stage (default: unset, so that spark_llm asks "
@@ -76,6 +83,7 @@ def main(argv=None) -> int:
 
     from spark_llm import BatchConfig, run_batch
     from spark_llm.engine_service import ENGINE_DIR_ENV, read_events
+    from spark_llm.faults import FAULT_ENV
     from spark_llm.session import get_session
 
     out = Path(args.out)
@@ -93,23 +101,27 @@ def main(argv=None) -> int:
                                          "messages": [{"role": "user", "content": f"question {i}"}]}}) + "\n")
     conf = {
         "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
-        "spark.worker.resource.gpu.amount": str(args.gpus),
-        "spark.worker.resource.gpu.discoveryScript": str(script),
-        "spark.executor.resource.gpu.amount": str(args.gpus),
-        "spark.executor.resource.gpu.discoveryScript": str(script),
         f"spark.executorEnv.{ENGINE_DIR_ENV}": str(engines),
+        "spark.task.maxFailures": "8",
     }
+    if args.gpus:
+        conf.update({"spark.worker.resource.gpu.amount": str(args.gpus),
+                     "spark.worker.resource.gpu.discoveryScript": str(script),
+                     "spark.executor.resource.gpu.amount": str(args.gpus),
+                     "spark.executor.resource.gpu.discoveryScript": str(script)})
+    if args.kill_executor:
+        conf[f"spark.executorEnv.{FAULT_ENV}"] = f"kill_executor_once:{out / 'executor-killed'}:r{args.requests // 2}"
     if args.task_gpu_amount:
         conf["spark.task.resource.gpu.amount"] = str(args.task_gpu_amount)
     if args.tensor_parallel_size > 1:  # the CPU stand-in for a GPU group: one core per tensor-parallel rank
         cpus = os.cpu_count() or 1
         conf["spark.executorEnv.VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(rank % cpus) for rank in range(args.tensor_parallel_size))
-    spark = get_session(master=f"local-cluster[1,{args.cores},2048]", conf=conf)
+    spark = get_session(master=f"local-cluster[{args.executors},{args.cores},2048]", conf=conf)
     try:
         # (with a task GPU amount every stage runs one task per GPU group: nothing to measure)
         cpu_tasks_at_once = None if args.task_gpu_amount else cpu_stage_concurrency(spark, 2 * args.cores)
-        slots = args.gpus // args.tensor_parallel_size
+        slots = (args.gpus // args.tensor_parallel_size or args.cores) * args.executors
         target = args.target_tokens_per_partition or max(1, args.requests * 22 // (8 * slots))
         result = run_batch(spark, BatchConfig(
             input=str(out / "in.jsonl"), output_dir=str(out / "results"), overwrite=True, batch_id="fake-gpu",
@@ -118,13 +130,14 @@ def main(argv=None) -> int:
             target_tokens_per_partition=target, wave_partitions=2 * slots))
         metrics = [r.asDict() for r in spark.read.format("delta").load(result.batch.metadata["metrics_table"])
                    .select("partition", "wave", "rows", "gpus", "engine_slot", "engine_pid", "engine_load_seconds",
-                           "started_at", "finished_at").collect()]
+                           "engine_deaths", "started_at", "finished_at").collect()]
     finally:
         spark.stop()
     print(json.dumps({
         "completed": result.completed, "failed": result.failed, "total": result.total,
         "output_lines": len(Path(result.output_file).read_text().splitlines()),
         "partitions": result.batch.partition_plan["num_partitions"], "cpu_tasks_at_once": cpu_tasks_at_once,
+        "executor_killed": (out / "executor-killed").exists(),
         "tensor_parallel_size": args.tensor_parallel_size,
         "inference_tasks_at_once": concurrency([(m["started_at"].timestamp(), m["finished_at"].timestamp())
                                                 for m in metrics]),

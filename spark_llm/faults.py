@@ -9,6 +9,8 @@ The value is one or more faults separated by ``;``:
   engine call holding that request starts: a poison request that takes its task down on every attempt.
 - ``kill_engine_on_custom_id:<custom_id>`` (executors): the task kills its engine process (``SIGKILL``) whenever an
   engine call holding that request starts: a poison request that crashes the engine under a live worker.
+- ``kill_executor_once:<marker path>:<custom_id>`` (executors): the task kills its executor's JVM (``SIGKILL``)
+  once, as an engine call holding that request starts: an executor lost mid-wave.
 - ``exit_after_wave:<N>`` (driver): the driver exits hard right after committing wave N.
 """
 
@@ -32,26 +34,38 @@ def _faults(kind: str) -> Iterator[list[str]]:
             yield args.split(":", 1)
 
 
+def _first_time(marker: str) -> bool:
+    """Create ``marker`` atomically: True for the one caller that did."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def maybe_kill_worker(custom_ids: Collection[str]) -> None:
     """``kill_worker_once``: called by an inference task after its engine call."""
     for args in _faults("kill_worker_once"):
         marker, target = args[0], (args[1] if len(args) > 1 else None)
-        if target is not None and target not in custom_ids:
-            continue
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
+        if (target is not None and target not in custom_ids) or not _first_time(marker):
             continue
         log.error("fault injection: killing Python worker %d mid-partition", os.getpid())
         os._exit(137)
 
 
 def before_engine_call(custom_ids: Collection[str], engine_pid: Optional[int]) -> None:
-    """``crash_on_custom_id`` / ``kill_engine_on_custom_id``: called by an inference task as an engine call starts
-    (after its in-flight marker is written)."""
+    """``crash_on_custom_id`` / ``kill_executor_once`` / ``kill_engine_on_custom_id``: called by an inference task
+    as an engine call starts (after its in-flight marker is written)."""
     for args in _faults("crash_on_custom_id"):
         if args[0] in custom_ids:
             log.error("fault injection: Python worker %d dies with %r in flight", os.getpid(), args[0])
+            os._exit(137)
+    for args in _faults("kill_executor_once"):
+        if len(args) > 1 and args[1] in custom_ids and _first_time(args[0]):
+            from .engine_service import executor_pid
+
+            log.error("fault injection: killing executor JVM %d with %r in flight", executor_pid(), args[1])
+            os.kill(executor_pid(), signal.SIGKILL)
             os._exit(137)
     for args in _faults("kill_engine_on_custom_id"):
         if args[0] in custom_ids and engine_pid:

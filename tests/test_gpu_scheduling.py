@@ -2,7 +2,7 @@
 discovery script reports two fake GPUs (scripts/fake_gpu_cluster.py), the engines running vLLM on the CPU. Asserted
 from the engine processes' own records and the metrics table: with one GPU per engine (GPUs asked for by the
 inference stage only), and with a tensor-parallel group of two (spark.task.resource.gpu.amount=2, the engine a real
-TP=2 vLLM on two CPU cores)."""
+TP=2 vLLM on two CPU cores). And an executor lost for real: two executors, one JVM killed mid-wave."""
 
 from __future__ import annotations
 
@@ -80,3 +80,17 @@ def test_a_tensor_parallel_group_gets_one_engine_on_all_its_gpus(tiny_model, tmp
     ready = [e for e in group["events"] if e["event"] == "ready"]
     assert [(e["slot"], e["devices"]) for e in ready] == [("gpu-0,1", ["0", "1"])]
     assert {(m["gpus"], m["engine_pid"]) for m in group["metrics"]} == {("0,1", ready[0]["pid"])}
+
+
+def test_an_executor_killed_mid_wave_loses_nothing(tiny_model, tmp_path):
+    """Two executors without GPUs; one executor's JVM is killed (SIGKILL) as an engine call holding the middle
+    request starts. Spark reruns its tasks on the other executor; the batch finishes with every line exactly once."""
+    requests = 120
+    got = run_cluster(tiny_model, tmp_path, "--requests", str(requests), "--gpus", "0", "--executors", "2",
+                      "--cores", "1", "--kill-executor")
+    assert got["executor_killed"] and "Lost executor" in got["log"]
+    assert (got["completed"], got["failed"], got["output_lines"]) == (requests, 0, requests)
+    assert sum(m["rows"] for m in got["metrics"]) == requests
+    assert sorted(m["partition"] for m in got["metrics"]) == list(range(got["partitions"]))
+    # the killed task's engine call was on record: its retry ran the partition isolating, and set nothing aside
+    assert sum(m["engine_deaths"] for m in got["metrics"]) == 1
