@@ -84,6 +84,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", default=None,
                         help="Spark master when spark-llm starts its own session (default local[2]); ignored "
                              "under spark-submit or in a notebook, where the active session is used")
+    parser.add_argument("--remote", default=None,
+                        help="run over Spark Connect: a server URL (sc://host:15002, Databricks Connect's too), or "
+                             "local[N] to start a local Connect server with Delta")
     parser.add_argument("--log-level", default="INFO", help="log level of spark_llm's own loggers")
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     aliases = {field: [a for a, f in ALIASES.items() if f == field] for field in BatchConfig.model_fields}
@@ -111,7 +114,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from .errors import EngineStartError
     from .session import get_session
 
-    spark = get_session(master=args.master, conf=spark_conf)
+    spark = get_session(master=args.master, conf=spark_conf, remote=args.remote)
     try:
         if planning:
             from .plan import plan_batch

@@ -17,6 +17,7 @@ from . import storage
 from .config import BatchConfig
 from .engine import inference_profile, resolve
 from .metrics import ListParam
+from .session import is_connect, spark_conf
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class RunContext:
     paths: RunPaths
     created_at: int      #: the batch's creation time (kept across --resume runs)
     started: float       #: when this run started (time.time())
-    metrics: Any         #: Spark accumulator of per-partition records (see metrics.py)
+    #: Spark accumulator of per-partition records for the live progress line (see metrics.py); None over Spark
+    #: Connect, which has no accumulators (the records also travel with the staged results, for the metrics table)
+    metrics: Any
     run_id: str          #: this run of the batch (each --resume run is a new one)
 
     @classmethod
@@ -65,27 +68,40 @@ class RunContext:
         cfg = resolve(config)
         paths = RunPaths.from_config(cfg)
         created_at = (_previous_created_at(spark, paths.batch_file) if cfg.resume else None) or int(time.time())
+        metrics = None if is_connect(spark) else spark.sparkContext.accumulator([], ListParam())
         return cls(spark=spark, cfg=cfg, paths=paths, created_at=created_at, started=time.time(),
-                   metrics=spark.sparkContext.accumulator([], ListParam()), run_id=uuid.uuid4().hex[:12])
+                   metrics=metrics, run_id=uuid.uuid4().hex[:12])
 
     @property
     def gpu_profile(self) -> Any:
         """The inference stage's ResourceProfile (its GPUs), or None (see engine.inference_profile)."""
-        conf = dict(self.spark.sparkContext.getConf().getAll())
-        return inference_profile(conf, self.cfg.tensor_parallel_size)
+        return inference_profile(spark_conf(self.spark), self.cfg.tensor_parallel_size)
 
     @property
     def batch_id(self) -> str:
         return self.cfg.batch_id  # type: ignore[return-value]
 
+    @property
+    def tag(self) -> str:
+        """The Spark Connect job tag of the run's jobs."""
+        return f"spark_llm-{self.batch_id}"
+
     def describe(self, stage: str) -> None:
-        """Name the Spark jobs that follow (shown in the Spark UI)."""
-        self.spark.sparkContext.setJobDescription(f"spark_llm {self.batch_id}: {stage}")
+        """Name the Spark jobs that follow (shown in the Spark UI; a Connect session's jobs carry the run's tag)."""
+        if not is_connect(self.spark):
+            self.spark.sparkContext.setJobDescription(f"spark_llm {self.batch_id}: {stage}")
 
     @contextlib.contextmanager
     def job_group(self) -> Iterator[None]:
-        """The run's Spark jobs in one cancellable group, cleared again when the run ends, success or not (the
-        session may be a notebook's)."""
+        """The run's Spark jobs in one cancellable group (a job tag over Spark Connect), cleared again when the run
+        ends, success or not (the session may be a notebook's)."""
+        if is_connect(self.spark):
+            self.spark.addTag(self.tag)
+            try:
+                yield
+            finally:
+                self.spark.removeTag(self.tag)
+            return
         sc = self.spark.sparkContext
         sc.setJobGroup(self.batch_id, f"spark_llm {self.batch_id}", interruptOnCancel=True)
         try:
@@ -93,6 +109,13 @@ class RunContext:
         finally:
             for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
                 sc.setLocalProperty(key, None)  # type: ignore[arg-type]
+
+    def cancel_jobs(self) -> None:
+        """Cancel the run's running Spark jobs."""
+        if is_connect(self.spark):
+            self.spark.interruptTag(self.tag)
+        else:
+            self.spark.sparkContext.cancelJobGroup(self.batch_id)
 
 
 def _previous_created_at(spark: SparkSession, batch_file: str) -> Optional[int]:

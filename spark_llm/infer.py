@@ -35,7 +35,7 @@ class InferContext:
     batch_id: str
     process: ProcessSettings
     wave: int = 0
-    metrics: Any = None  # a Spark accumulator of per-partition records (see metrics.py), or None
+    metrics: Any = None  # a Spark accumulator of per-partition records for the progress line (see metrics.py), or None
     journal: Optional[str] = None  #: where partitions keep their quarantine journals (see quarantine.py)
 
 
@@ -111,10 +111,12 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     unanswered = [i for i, r in enumerate(rows) if r["response_body"] is None and r["error_code"] is None]
     if unanswered:  # the conservation check: every request of the partition has a response or an error
         raise AssertionError(f"{len(unanswered)} of {n} requests got neither a response nor an error")
-    if ctx.metrics is not None:
-        cached = sum(r.num_cached_tokens for r in results if r is not None and not isinstance(r, RequestFailure))
-        ctx.metrics.add([{**_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus),
-                          "cached_prompt_tokens": cached, "engine_deaths": guarded.deaths}])
+    cached = sum(r.num_cached_tokens for r in results if r is not None and not isinstance(r, RequestFailure))
+    record = {**_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus),
+              "cached_prompt_tokens": cached, "engine_deaths": guarded.deaths}
+    if ctx.metrics is not None:  # the live progress line (classic sessions)
+        ctx.metrics.add([record])
+    rows[0]["partition_metrics"] = json.dumps(record)  # the metrics table, from the staged results
     out = pd.DataFrame(rows, columns=list(RESULT_FIELDS))
     for col in ("line_number", "prompt_tokens", "completion_tokens", "total_tokens", "created"):
         out[col] = out[col].astype("Int64")

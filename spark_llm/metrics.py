@@ -1,9 +1,10 @@
 """Per-partition inference metrics and the driver's progress line.
 
-Each inference task adds one small record (rows, tokens, engine load and run time, errors by code) to a Spark
-accumulator; the driver reads the records (one per partition: metadata, never rows) for the progress line, the
-``metrics`` Delta table, ``batch.json`` and ``report.html``. A retried task may report twice; the last report of
-each (wave, partition) wins.
+Each inference task makes one small record (rows, tokens, engine load and run time, errors by code) and sends it
+two ways: on its first result row (``partition_metrics``), so that it is staged and committed with the wave into the
+``metrics`` Delta table (which ``batch.json`` and ``report.html`` read), and, on classic sessions, to a Spark
+accumulator that feeds the live progress line (Spark Connect has no accumulators: its progress line moves as waves
+commit). A retried task may report twice to the accumulator; the last report of each (wave, partition) wins.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from .session import default_parallelism, spark_conf
+
 log = logging.getLogger(__name__)
 
 PART_COL = "_part"
@@ -72,14 +74,14 @@ def task_slots(spark: SparkSession, configured: Optional[int] = None, tensor_par
     ``tensor_parallel_size`` GPUs per task), else the default parallelism."""
     if configured:
         return configured
-    conf = spark.sparkContext.getConf()
+    conf = spark_conf(spark)
     task_gpus = float(conf.get("spark.task.resource.gpu.amount", "0") or 0) or tensor_parallel_size
     exec_gpus = float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
     executors = int(conf.get("spark.executor.instances", "0") or 0) or int(
         conf.get("spark.dynamicAllocation.maxExecutors", "0") or 0)
     if task_gpus > 0 and exec_gpus > 0 and executors > 0:
         return max(1, executors * int(exec_gpus // task_gpus))
-    return max(1, spark.sparkContext.defaultParallelism)
+    return max(1, default_parallelism(spark))
 
 
 def estimate_cost(df: DataFrame) -> DataFrame:

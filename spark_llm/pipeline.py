@@ -26,7 +26,7 @@ from .partition import estimate_cost
 from .prepare import check_size, count_outcomes, prepare
 from .quarantine import retry_budget_warning
 from .report import Outcome, finish, write_failed_batch
-from .session import check_delta
+from .session import check_delta, spark_conf
 from .waves import EngineWarmup, infer_in_waves
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
         raise TypeError(f"config must be a spark_llm.BatchConfig, got {type(config).__name__}")
     config.require_ready()
     check_delta(spark)
-    conf = dict(spark.sparkContext.getConf().getAll())
+    conf = spark_conf(spark)
     check_gpu_settings(conf, config.tensor_parallel_size)
     if (warning := retry_budget_warning(conf)) is not None:
         log.warning("%s", warning)

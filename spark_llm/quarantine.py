@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
+
+from .storage import python_filesystem
 
 log = logging.getLogger(__name__)
 
@@ -113,23 +114,6 @@ def quarantine_message(deaths: int) -> str:
 
 # ---- the journal ---------------------------------------------------------------------------------------------
 
-def _python_filesystem(uri: str) -> tuple[Any, str]:
-    """A pyarrow filesystem and path for a Hadoop-style URI, as an executor's Python worker can open it: local and
-    ``file:`` paths, Databricks' ``dbfs:/`` (its ``/dbfs`` mount), ``s3a://`` as ``s3://``, and what pyarrow
-    understands (``gs://``, ``abfss://``, ``hdfs://``)."""
-    from pyarrow import fs
-
-    if uri.startswith("dbfs:/"):
-        uri = "/dbfs/" + uri[len("dbfs:/"):].lstrip("/")
-    elif uri.startswith(("s3a://", "s3n://")):
-        uri = "s3://" + uri.split("://", 1)[1]
-    if "://" not in uri and not uri.startswith("file:"):
-        return fs.LocalFileSystem(), os.path.abspath(uri)
-    if uri.startswith("file:"):
-        return fs.LocalFileSystem(), "/" + uri[len("file:"):].lstrip("/")
-    return fs.FileSystem.from_uri(uri)
-
-
 @dataclass
 class Journal:
     """The in-flight markers of one partition's engine calls (see the module docs)."""
@@ -145,7 +129,7 @@ class Journal:
         if not base:
             return None
         try:
-            filesystem, root = _python_filesystem(f"{base.rstrip('/')}/p{partition}")
+            filesystem, root = python_filesystem(f"{base.rstrip('/')}/p{partition}")
             filesystem.create_dir(root, recursive=True)
         except Exception as exc:
             from .engine_service import engine_dir

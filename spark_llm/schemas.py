@@ -41,6 +41,8 @@ RESULT_SCHEMA = _struct(
     ("embeddings", T.ArrayType(T.ArrayType(T.FloatType())), True),
     ("response_body", S, True), ("request", S, True), ("notes", S, True), ("error_code", S, True),
     ("error_message", S, True),
+    # the partition's metrics record (JSON, see metrics.py) on its first row, null on the others
+    ("partition_metrics", S, True),
 )
 
 #: Field names of the stages' rows, in schema order (the plain-Python stages build dicts with these keys).

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from typing import Mapping, Optional
 
 from pyspark.sql import SparkSession
@@ -38,15 +39,20 @@ DELTA_CONF = {
 
 
 def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] = None,
-                app_name: str = "spark_llm") -> SparkSession:
+                app_name: str = "spark_llm", remote: Optional[str] = None) -> SparkSession:
     """The active session if there is one (Databricks, notebooks); under spark-submit the session its command line
     describes (plus Delta's SQL extension); else a new local one (``master`` default ``local[2]``) that pulls
     Delta's jars from Maven Central through ``spark.jars.packages`` and runs its Python workers on this interpreter,
     with the engine's worker environment (set in this process's environment where not already set, since local
     workers inherit it).
+
+    With ``remote``, a Spark Connect session instead: ``sc://...`` connects to a running server (Delta and the
+    cluster's settings are the server's); ``local[N]`` starts a local Connect server set up like the local session.
     """
+    if remote and not remote.startswith("local"):
+        return SparkSession.builder.remote(remote).getOrCreate()
     active = SparkSession.getActiveSession()
-    if active is not None:
+    if active is not None and not remote:
         return active
     if "PYSPARK_GATEWAY_PORT" in os.environ:
         # launched by spark-submit: master, jars and resources come from its command line / properties file
@@ -61,14 +67,46 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
 
-    builder = SparkSession.builder.appName(app_name).master(with_task_retries(master or "local[2]"))
     settings = {**LOCAL_DEFAULTS, **DELTA_CONF, "spark.pyspark.python": sys.executable,
                 "spark.pyspark.driver.python": sys.executable, **dict(conf or {})}
+    if remote:  # a local Connect server: its own SparkContext in this process, the client talks gRPC to it
+        builder = SparkSession.builder.appName(app_name).remote(with_task_retries(remote))
+    else:
+        builder = SparkSession.builder.appName(app_name).master(with_task_retries(master or "local[2]"))
     for key, value in settings.items():
         builder = builder.config(key, value)
-    spark = configure_spark_with_delta_pip(builder).getOrCreate()
-    spark.sparkContext.setLogLevel("WARN")
+    with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
+        warnings.simplefilter("ignore", UserWarning)
+        spark = configure_spark_with_delta_pip(builder).getOrCreate()
+    if not remote:
+        spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def is_connect(spark: SparkSession) -> bool:
+    """A Spark Connect session (Databricks serverless, shared clusters, Databricks Connect, ``--remote``): no
+    SparkContext, JVM or accumulators in this process."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def spark_conf(spark: SparkSession) -> dict[str, str]:
+    """The session's settings, the cluster's (``spark.master``, executor resources ...) included."""
+    if is_connect(spark):
+        return dict(spark.conf.getAll)
+    return dict(spark.sparkContext.getConf().getAll())
+
+
+def default_parallelism(spark: SparkSession) -> int:
+    """Tasks the cluster runs at once by default (``SparkContext.defaultParallelism``; over Spark Connect, read from
+    the settings or from the partitions Spark gives a range without a partition count)."""
+    if not is_connect(spark):
+        return spark.sparkContext.defaultParallelism
+    configured = spark.conf.get("spark.default.parallelism", None)
+    if configured:
+        return int(configured)
+    from pyspark.sql import functions as F
+
+    return int(spark.range(0, 1 << 16).agg(F.max(F.spark_partition_id())).first()[0]) + 1
 
 
 def with_task_retries(master: str) -> str:
@@ -79,13 +117,15 @@ def with_task_retries(master: str) -> str:
 
 
 def check_delta(spark: SparkSession) -> None:
-    """Fail early, with the fix, when the session cannot write Delta tables."""
+    """Fail early, with the fix, when the session cannot write Delta tables (asked of the session itself, so that
+    it works over Spark Connect too: a Delta read of a path that does not exist fails for another reason)."""
     from .config import ConfigError
 
     try:
-        jvm = spark.sparkContext._jvm
-        jvm.org.apache.spark.util.Utils.classForName("io.delta.tables.DeltaTable", True, False)
-    except Exception:
+        spark.read.format("delta").load("/nonexistent/spark_llm-delta-probe").schema
+    except Exception as exc:
+        if "DATA_SOURCE_NOT_FOUND" not in str(exc) and "Failed to find the data source" not in str(exc):
+            return
         raise ConfigError(
             "Delta Lake is not on this Spark session's classpath. spark-submit: add --packages "
             "io.delta:delta-spark_4.2_2.13:<delta version> (see conf/gpu-cluster.yaml) and --conf "

@@ -1,27 +1,112 @@
 """Storage, in one place: "a table by catalog name or by Delta path" and "a file on any Hadoop filesystem".
 
-Files go through Hadoop ``FileSystem`` streams in the JVM (``file:/``, ``hdfs://``, ``s3a://``, ``abfss://``,
-``dbfs:/`` ...), so no data passes through the Python driver, and every file we write appears by rename, never half
-written. Tables go through delta-spark with Column conditions (no SQL strings to escape).
+Files: with a classic session they go through Hadoop ``FileSystem`` streams in the driver's JVM (``file:/``,
+``hdfs://``, ``s3a://``, ``abfss://``, ``dbfs:/`` ...); a Spark Connect session has no JVM in this process, so there
+each file operation is a one-task Spark job whose Python worker uses pyarrow's filesystems (:func:`python_filesystem`)
+on the cluster, where the paths are. Either way no data passes through the Python driver, and every file we write
+appears by rename, never half written. Tables go through Spark SQL and DataFrame writes (``MERGE INTO``, ``DELETE``,
+``DESCRIBE HISTORY``, values as escaped literals), which work over both kinds of session.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import uuid
 from datetime import datetime, timezone
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from .config import ConfigError
 from .schemas import table_schema
+from .session import is_connect
 
 log = logging.getLogger(__name__)
 
 
 # ---- files -------------------------------------------------------------------------------------------------------
+
+def python_filesystem(uri: str) -> tuple[Any, str]:
+    """A pyarrow filesystem and path for a Hadoop-style URI, as a Python process on the cluster can open it: local
+    and ``file:`` paths, Databricks' ``dbfs:/`` (its ``/dbfs`` mount) and ``/Volumes``, ``s3a://`` as ``s3://``, and
+    what pyarrow understands (``gs://``, ``abfss://``, ``hdfs://``)."""
+    from pyarrow import fs
+
+    if uri.startswith("dbfs:/"):
+        uri = "/dbfs/" + uri[len("dbfs:/"):].lstrip("/")
+    elif uri.startswith(("s3a://", "s3n://")):
+        uri = "s3://" + uri.split("://", 1)[1]
+    if uri.startswith("file:"):
+        return fs.LocalFileSystem(), "/" + uri[len("file:"):].lstrip("/")
+    if "://" not in uri:
+        return fs.LocalFileSystem(), os.path.abspath(uri)
+    return fs.FileSystem.from_uri(uri)
+
+
+def _in_task(spark: SparkSession, op: Callable[..., Any], *args: Any) -> Any:
+    """``op(*args)`` run in one Spark task (a Connect session's file operations); its JSON-able result."""
+    import pandas as pd
+
+    def task(batches: Iterator) -> Iterator:
+        for _ in batches:
+            pass
+        yield pd.DataFrame({"result": [json.dumps(op(*args))]})
+
+    return json.loads(spark.range(0, 1, 1, 1).mapInPandas(task, "result string").first()["result"])
+
+
+def _py_info(path: str) -> str:
+    """``missing``, ``file`` or ``dir`` (in a task)."""
+    from pyarrow import fs
+
+    filesystem, p = python_filesystem(path)
+    kind = filesystem.get_file_info(p).type
+    return {fs.FileType.File: "file", fs.FileType.Directory: "dir"}.get(kind, "missing")
+
+
+def _py_delete(path: str) -> None:
+    filesystem, p = python_filesystem(path)
+    kind = _py_info(path)
+    if kind == "dir":
+        filesystem.delete_dir(p)
+    elif kind == "file":
+        filesystem.delete_file(p)
+
+
+def _py_mkdirs(path: str) -> None:
+    filesystem, p = python_filesystem(path)
+    filesystem.create_dir(p, recursive=True)
+
+
+def _py_list(path: str) -> list[str]:
+    from pyarrow import fs
+
+    filesystem, p = python_filesystem(path)
+    return [i.path for i in filesystem.get_file_info(fs.FileSelector(p, allow_not_found=True))]
+
+
+def _py_clear_dir(path: str) -> None:
+    filesystem, _ = python_filesystem(path)
+    for child in _py_list(path):
+        if _py_info(child) == "dir":
+            filesystem.delete_dir(child)
+        else:
+            filesystem.delete_file(child)
+
+
+def _py_write_atomic(path: str, data: bytes) -> None:
+    filesystem, p = python_filesystem(path)
+    filesystem.create_dir(p.rsplit("/", 1)[0], recursive=True)
+    tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+    with filesystem.open_output_stream(tmp) as out:
+        out.write(data)
+    if filesystem.get_file_info(p).type != 0:  # FileType.NotFound
+        filesystem.delete_file(p)
+    filesystem.move(tmp, p)
 
 def _hadoop(spark: SparkSession, path: str) -> tuple[Any, Any]:
     """Hadoop's (JVM-wide cached) FileSystem for ``path``, and the path: for reads and deletes."""
@@ -44,47 +129,77 @@ def _writer(spark: SparkSession, path: str) -> Iterator[tuple[Any, Any]]:
         fs.close()
 
 
-def exists(spark: SparkSession, path: str) -> bool:
+def _kind(spark: SparkSession, path: str) -> str:
+    """``missing``, ``file`` or ``dir``."""
+    if is_connect(spark):
+        return _in_task(spark, _py_info, path)
     fs, hpath = _hadoop(spark, path)
-    return bool(fs.exists(hpath))
+    if not fs.exists(hpath):
+        return "missing"
+    return "dir" if fs.getFileStatus(hpath).isDirectory() else "file"
+
+
+def exists(spark: SparkSession, path: str) -> bool:
+    return _kind(spark, path) != "missing"
 
 
 def matches_any(spark: SparkSession, path_or_glob: str) -> bool:
+    if is_connect(spark):  # the file source lists the path (globs expanded) when the read is analysed
+        try:
+            spark.read.format("text").load(path_or_glob).schema
+            return True
+        except Exception as exc:
+            if "PATH_NOT_FOUND" in str(exc) or "does not exist" in str(exc):
+                return False
+            raise
     fs, hpath = _hadoop(spark, path_or_glob)
     matches = fs.globStatus(hpath)
     return matches is not None and len(matches) > 0
 
 
 def is_dir(spark: SparkSession, path: str) -> bool:
-    fs, hpath = _hadoop(spark, path)
-    return bool(fs.exists(hpath) and fs.getFileStatus(hpath).isDirectory())
+    return _kind(spark, path) == "dir"
 
 
 def delete(spark: SparkSession, path: str) -> None:
+    if is_connect(spark):
+        return _in_task(spark, _py_delete, path)
     fs, hpath = _hadoop(spark, path)
     if fs.exists(hpath):
         fs.delete(hpath, True)
 
 
 def mkdirs(spark: SparkSession, path: str) -> None:
+    if is_connect(spark):
+        return _in_task(spark, _py_mkdirs, path)
     fs, hpath = _hadoop(spark, path)
     fs.mkdirs(hpath)
 
 
+def _children(spark: SparkSession, path: str) -> int:
+    if is_connect(spark):
+        return len(_in_task(spark, _py_list, path))
+    fs, hpath = _hadoop(spark, path)
+    return len(fs.listStatus(hpath))
+
+
 def prepare_output_dir(spark: SparkSession, output_dir: str, overwrite: bool) -> None:
     """Refuse a non-empty output directory unless ``overwrite``; then clear it."""
-    fs, hpath = _hadoop(spark, output_dir)
-    if fs.exists(hpath):
-        if not fs.getFileStatus(hpath).isDirectory():
-            raise ConfigError(f"output dir {output_dir!r} is a file, not a directory")
-        if len(fs.listStatus(hpath)) > 0:
-            if not overwrite:
-                raise ConfigError(f"output dir {output_dir!r} is not empty; choose another --output-dir or pass "
-                                  f"--overwrite to replace its contents")
-            log.warning("overwriting the contents of %s", output_dir)
+    kind = _kind(spark, output_dir)
+    if kind == "file":
+        raise ConfigError(f"output dir {output_dir!r} is a file, not a directory")
+    if kind == "dir" and _children(spark, output_dir) > 0:
+        if not overwrite:
+            raise ConfigError(f"output dir {output_dir!r} is not empty; choose another --output-dir or pass "
+                              f"--overwrite to replace its contents")
+        log.warning("overwriting the contents of %s", output_dir)
+        if is_connect(spark):
+            _in_task(spark, _py_clear_dir, output_dir)
+        else:
+            fs, hpath = _hadoop(spark, output_dir)
             for status in fs.listStatus(hpath):
                 fs.delete(status.getPath(), True)
-    fs.mkdirs(hpath)
+    mkdirs(spark, output_dir)
 
 
 def read_text(spark: SparkSession, path: str) -> Optional[str]:
@@ -97,6 +212,8 @@ def read_text(spark: SparkSession, path: str) -> Optional[str]:
 
 def write_text_atomic(spark: SparkSession, path: str, text: str) -> None:
     """Write a small text file (e.g. batch.json) through a temp file and a rename."""
+    if is_connect(spark):
+        return _in_task(spark, _py_write_atomic, path, text.encode("utf-8"))
     with _writer(spark, path) as (fs, hpath):
         tmp = hpath.suffix(".tmp")
         out = fs.create(tmp, True)
@@ -116,7 +233,10 @@ def _replace(fs: Any, src: Any, dst: Any) -> None:
 
 def write_single_text_file(spark: SparkSession, lines: DataFrame, dest: str) -> None:
     """Write a one-column ``value`` frame as one text file at ``dest``: Spark writes part files, then the JVM
-    concatenates them (in name order, i.e. the frame's order) through a temp file and a rename."""
+    concatenates them (in name order, i.e. the frame's order) through a temp file and a rename. Over Spark Connect
+    one task streams the (ordered) frame into the file instead."""
+    if is_connect(spark):
+        return _write_in_one_task(lines, dest)
     jvm = spark.sparkContext._jvm
     parts_dir = dest + ".parts"
     delete(spark, parts_dir)
@@ -141,7 +261,43 @@ def write_single_text_file(spark: SparkSession, lines: DataFrame, dest: str) -> 
         fs.delete(src, True)
 
 
+def _write_in_one_task(lines: DataFrame, dest: str) -> None:
+    import pandas as pd
+
+    def task(batches: Iterator) -> Iterator:
+        filesystem, p = python_filesystem(dest)
+        filesystem.create_dir(p.rsplit("/", 1)[0], recursive=True)
+        tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+        n = 0
+        with filesystem.open_output_stream(tmp) as out:
+            for pdf in batches:
+                if len(pdf):
+                    out.write(("\n".join(pdf["value"]) + "\n").encode("utf-8"))
+                    n += len(pdf)
+        if filesystem.get_file_info(p).type != 0:  # FileType.NotFound
+            filesystem.delete_file(p)
+        filesystem.move(tmp, p)
+        yield pd.DataFrame({"lines": [n]})
+
+    lines.coalesce(1).mapInPandas(task, "lines long").collect()  # one row: the count
+
+
 # ---- tables ------------------------------------------------------------------------------------------------------
+
+def sql_string(value: str) -> str:
+    """A SQL string literal (Delta's MERGE and DELETE do not bind parameter markers)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def sql_name(table: str) -> str:
+    """The table in SQL: a quoted catalog name, or ``delta.`path```."""
+    if is_table_name(table):
+        return ".".join(f"`{part.replace('`', '``')}`" for part in table.split("."))
+    path = table.rstrip("/")
+    if ":" not in path and not path.startswith("/"):  # Delta reads only absolute paths as paths
+        path = os.path.abspath(path)
+    return f"delta.`{path.replace('`', '``')}`"
+
 
 def is_table_name(table: str) -> bool:
     """Catalog names (catalog.schema.table) have no slash or scheme; everything else is a Delta path."""
@@ -149,9 +305,16 @@ def is_table_name(table: str) -> bool:
 
 
 def is_delta_path(spark: SparkSession, path: str) -> bool:
-    from delta.tables import DeltaTable
-
-    return bool(DeltaTable.isDeltaTable(spark, path.rstrip("/")))
+    try:
+        spark.sql(f"DESCRIBE DETAIL {sql_name(path)}").collect()  # one row of metadata
+        return True
+    except Exception as exc:
+        text = str(exc)
+        if any(k in text for k in ("DELTA_MISSING_DELTA_TABLE", "not a Delta table", "DELTA_PATH_DOES_NOT_EXIST",
+                                   "PATH_NOT_FOUND", "doesn't exist", "does not exist", "DELTA_TABLE_NOT_FOUND",
+                                   "TABLE_OR_VIEW_NOT_FOUND")):
+            return False
+        raise
 
 
 def table_exists(spark: SparkSession, table: str) -> bool:
@@ -168,14 +331,8 @@ def read_table(spark: SparkSession, table: str, version: Optional[int] = None) -
     return reader.table(table) if is_table_name(table) else reader.load(table)
 
 
-def _delta(spark: SparkSession, table: str) -> Any:
-    from delta.tables import DeltaTable
-
-    return DeltaTable.forName(spark, table) if is_table_name(table) else DeltaTable.forPath(spark, table)
-
-
 def current_version(spark: SparkSession, table: str) -> int:
-    return int(_delta(spark, table).history(1).select("version").first()[0])
+    return int(spark.sql(f"DESCRIBE HISTORY {sql_name(table)} LIMIT 1").select("version").first()[0])
 
 
 def _save(writer: Any, table: str) -> None:
@@ -198,7 +355,7 @@ def ensure_table(spark: SparkSession, table: str, columns: dict) -> None:
         have = {f.name for f in read_table(spark, table).schema.fields}
         missing = [(n, t, c) for n, (t, c) in columns.items() if n not in have]
         if missing:
-            ref = table if is_table_name(table) else f"delta.`{table.rstrip('/')}`"
+            ref = sql_name(table)
             added = ", ".join(f"`{n}` {t.simpleString()} COMMENT '{c.replace(chr(39), '')}'" for n, t, c in missing)
             spark.sql(f"ALTER TABLE {ref} ADD COLUMNS ({added})")
         return
@@ -209,9 +366,15 @@ def ensure_table(spark: SparkSession, table: str, columns: dict) -> None:
 def insert_new(df: DataFrame, table: str, columns: dict, batch_id: str) -> None:
     """Insert the rows whose (batch_id, id) is not in the table yet: one Delta MERGE, so a retried or resumed write
     never adds a second row for the same request."""
-    target = _delta(df.sparkSession, table).alias("t")
-    condition = (F.col("t.batch_id") == F.lit(batch_id)) & (F.col("t.id") == F.col("s.id"))
-    target.merge(conform(df, columns).alias("s"), condition).whenNotMatchedInsertAll().execute()
+    spark = df.sparkSession
+    view = f"spark_llm_source_{uuid.uuid4().hex}"
+    conform(df, columns).createOrReplaceTempView(view)
+    try:
+        # the batch_id literal lets Delta read only that batch's partition of the target
+        spark.sql(f"MERGE INTO {sql_name(table)} AS t USING {view} AS s "
+                  f"ON t.batch_id = {sql_string(batch_id)} AND t.id = s.id WHEN NOT MATCHED THEN INSERT *")
+    finally:
+        spark.catalog.dropTempView(view)
 
 
 def append_records(spark: SparkSession, records: list[dict], table: str, columns: dict) -> None:
@@ -228,6 +391,8 @@ def append_records(spark: SparkSession, records: list[dict], table: str, columns
     _save(df.write.format("delta").mode("append").option("mergeSchema", "true").partitionBy("batch_id"), table)
 
 
-def delete_rows(spark: SparkSession, table: str, condition: Column) -> None:
+def delete_rows(spark: SparkSession, table: str, batch_id: str, code: Optional[str] = None) -> None:
+    """Delete a batch's rows (those with error ``code`` only, when given)."""
     if table_exists(spark, table):
-        _delta(spark, table).delete(condition)
+        where = f"batch_id = {sql_string(batch_id)}" + (f" AND code = {sql_string(code)}" if code else "")
+        spark.sql(f"DELETE FROM {sql_name(table)} WHERE {where}")

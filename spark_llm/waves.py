@@ -9,13 +9,15 @@ the waves not yet committed; ``--resume`` continues from the last commit.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 
 from . import faults, storage, write
 from .context import RunContext
@@ -24,10 +26,11 @@ from .engine import EngineSpec, has_gpus
 from .engine_service import ProcessSettings
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, warm_partition
-from .metrics import ProgressReporter, latest_records, progress_line
+from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_partitions, task_slots
-from .prepare import count_outcomes
+from .prepare import Outcomes
 from .schemas import RESULT_SCHEMA
+from .session import spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +65,11 @@ class SparkJobInBackground:
     """A driver thread running Spark jobs in the run's job group (pyspark's ``InheritableThread``); :meth:`wait`
     joins it and raises what it raised (an executor-side engine start failure as one clear error)."""
 
-    def __init__(self, name: str, body: Callable[[], None]):
+    def __init__(self, spark: Any, name: str, body: Callable[[], None]):
         from pyspark import InheritableThread
 
         self.error: Optional[BaseException] = None
-        self.thread = InheritableThread(target=self._run, args=(body,), name=name, daemon=True)
+        self.thread = InheritableThread(target=self._run, args=(body,), name=name, daemon=True, session=spark)
         self.thread.start()
 
     def _run(self, body: Callable[[], None]) -> None:
@@ -90,11 +93,11 @@ class EngineWarmup(SparkJobInBackground):
 
     def __init__(self, run: RunContext):
         self.run = run
-        super().__init__("spark_llm-warmup", self._load)
+        super().__init__(run.spark, "spark_llm-warmup", self._load)
 
     @classmethod
     def start(cls, run: RunContext) -> Optional["EngineWarmup"]:
-        return cls(run) if has_gpus(dict(run.spark.sparkContext.getConf().getAll())) else None
+        return cls(run) if has_gpus(spark_conf(run.spark)) else None
 
     def _load(self) -> None:
         run = self.run
@@ -109,7 +112,7 @@ class EngineWarmup(SparkJobInBackground):
     def close(self) -> None:
         """Stop waiting for engines nothing will use (no request left to infer, or the run failed before)."""
         if self.thread.is_alive():
-            self.run.spark.sparkContext.cancelJobGroup(self.run.batch_id)  # the run's only job still running
+            self.run.cancel_jobs()  # the run's only job still running
             self.thread.join()
 
 
@@ -135,20 +138,23 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots)
     current = {"wave": f"0/{len(waves)}"}
     total = sum(plan.requests_per_partition)
-    line = lambda: progress_line(run.batch_id, run.metrics.value, total, run.started, current["wave"])  # noqa: E731
+    committed: list[dict] = []  # partition records of the committed waves
+    # live from the tasks where the session has accumulators, else as the waves commit (Spark Connect)
+    records = lambda: run.metrics.value if run.metrics is not None else committed  # noqa: E731
+    line = lambda: progress_line(run.batch_id, records(), total, run.started, current["wave"])  # noqa: E731
     in_flight: deque[_WaveJob] = deque()
     try:
         with ProgressReporter(line, run.cfg.progress_interval_seconds):
             for wave in waves:
                 if len(in_flight) == WAVES_IN_FLIGHT:
-                    _commit(run, plan, in_flight.popleft())
+                    committed.extend(_commit(run, plan, in_flight.popleft()))
                 in_flight.append(_WaveJob(run, assigned, wave, replace(ictx, wave=wave.number)))
                 current["wave"] = wave.label
             while in_flight:
-                _commit(run, plan, in_flight.popleft())
+                committed.extend(_commit(run, plan, in_flight.popleft()))
         storage.delete(run.spark, run.paths.staging)
     except BaseException:
-        run.spark.sparkContext.cancelJobGroup(run.batch_id)  # the waves still inferring
+        run.cancel_jobs()  # the waves still inferring
         for job in in_flight:
             job.thread.join()
         raise
@@ -162,7 +168,7 @@ class _WaveJob(SparkJobInBackground):
 
     def __init__(self, run: RunContext, assigned: DataFrame, wave: Wave, ictx: InferContext):
         self.wave, self.staging = wave, f"{run.paths.staging}/wave-{wave.number}"
-        super().__init__(f"spark_llm-wave-{wave.number}", lambda: self._infer(run, assigned, ictx))
+        super().__init__(run.spark, f"spark_llm-wave-{wave.number}", lambda: self._infer(run, assigned, ictx))
 
     def _infer(self, run: RunContext, assigned: DataFrame, ictx: InferContext) -> None:
         run.describe(f"infer wave {self.wave.label}")
@@ -171,21 +177,32 @@ class _WaveJob(SparkJobInBackground):
         results.write.mode("overwrite").parquet(self.staging)
 
 
-def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> None:
-    """Wait for a wave's inference, check that every planned request has one result, commit them to both tables."""
+def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[dict]:
+    """Wait for a wave's inference, check that every planned request has one result, commit them to both tables
+    and the partitions' records to the metrics table; returns the records."""
     job.wait()
     wave = job.wave
     staged = run.spark.read.parquet(job.staging)
-    planned, got = sum(plan.requests_per_partition[wave.first:wave.first + wave.count]), count_outcomes(staged)
+    planned = sum(plan.requests_per_partition[wave.first:wave.first + wave.count])
+    got, records = _staged_outcomes(staged)
     if got.rows != planned:  # the conservation check: one result per planned request
         raise RuntimeError(f"wave {wave.label}: {got.rows} results for {planned} planned requests; nothing of this "
                            f"wave was committed, rerun with --resume")
     run.describe(f"commit wave {wave.label}")
     write.commit_results(run, staged, responses=got.ok, errors=got.errors)
-    write.commit_metrics(run, [r for r in latest_records(run.metrics.value) if r["wave"] == wave.number],
-                         plan.task_slots)
+    write.commit_metrics(run, records, plan.task_slots)
     log.info("batch %s: wave %s committed (%d partitions)", run.batch_id, wave.label, wave.count)
     faults.maybe_exit_after_wave(wave.number)
+    return records
+
+
+def _staged_outcomes(staged: DataFrame) -> tuple[Outcomes, list[dict]]:
+    """Rows and error rows of a staged wave and its partitions' metrics records, in one aggregate (one row, one
+    small record per partition, reaches the driver)."""
+    r = staged.agg(F.count(F.lit(1)).alias("rows"), F.count("error_code").alias("errors"),
+                   F.collect_list("partition_metrics").alias("records")).first()
+    records = sorted((json.loads(x) for x in r["records"]), key=lambda rec: rec["partition"])
+    return Outcomes(rows=int(r["rows"]), errors=int(r["errors"])), records
 
 
 _ENGINE_ERR = re.compile(r"EngineStartError: (.+?)(?:\n|$)")

@@ -33,7 +33,7 @@ def prepare_destination(run: RunContext) -> None:
                 if not cfg.overwrite:
                     raise ConfigError(f"table {table} already holds rows of batch {run.batch_id!r}; pass --resume "
                                       f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
-                storage.delete_rows(spark, table, F.col("batch_id") == run.batch_id)
+                storage.delete_rows(spark, table, run.batch_id)
     storage.ensure_table(spark, paths.outputs_table, OUTPUTS_COLUMNS)
     storage.ensure_table(spark, paths.errors_table, ERRORS_COLUMNS)
     if cfg.runner == "pooling":
@@ -56,8 +56,7 @@ def pending(run: RunContext, requests: DataFrame) -> DataFrame:
     """With ``resume``, the requests without a row in either table yet (with ``retry_errors``, transient engine
     errors are first removed, to be rerun)."""
     if run.cfg.retry_errors:
-        storage.delete_rows(run.spark, run.paths.errors_table, (F.col("batch_id") == run.batch_id)
-                            & (F.col("code") == ErrorCode.ENGINE_ERROR.value))
+        storage.delete_rows(run.spark, run.paths.errors_table, run.batch_id, code=ErrorCode.ENGINE_ERROR.value)
     # pinned snapshots: the waves about to commit must not change which requests count as pending
     done = [_batch_rows(run, t, storage.current_version(run.spark, t)).select("id")
             for t in (run.paths.outputs_table, run.paths.errors_table)]

@@ -141,10 +141,11 @@ class SharedRun:
     expected: dict[tuple[str, int], str]       #: (file name, line number) -> "ok" or the error code
     root: Path
     logs: list[str]                             #: spark_llm's INFO+ log messages during the run
+    kill_marker: Path                           #: made by the worker the kill_worker_once fault killed
 
 
 @pytest.fixture(scope="session")
-def shared_run(spark, tiny_model, tmp_path_factory) -> SharedRun:
+def shared_run(spark, tiny_model, tmp_path_factory, kill_marker) -> SharedRun:
     """The one end-to-end run most job-level tests assert on: ordinary, hostile, fault-injected and every request
     shape's lines in four files (tests/batch_lines.py), on real Spark, Delta and vLLM."""
     from batch_lines import build_e2e_input, build_hostile_input, build_shapes_input
@@ -157,4 +158,40 @@ def shared_run(spark, tiny_model, tmp_path_factory) -> SharedRun:
                       **engine_settings(tiny_model))
     with capture_logs() as messages:
         result = run_batch(spark, cfg)
-    return SharedRun(result, expected, root, messages)
+    return SharedRun(result, expected, root, messages, kill_marker)
+
+
+@pytest.fixture(scope="session")
+def connect_run(tiny_model, tmp_path_factory) -> SharedRun:
+    """The shared run's input and settings again, over Spark Connect: ``spark-llm run --remote local[2]`` starts a
+    local Connect server with Delta in a process of its own (a Connect client cannot share this test process with
+    the classic session), so no SparkContext, JVM or accumulator is on the driver's side."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from batch_lines import build_e2e_input, build_hostile_input, build_shapes_input
+    from spark_llm.batch import BatchObject, BatchResult
+    from spark_llm.config import BatchConfig
+    from spark_llm.context import RunPaths
+    from spark_llm.faults import FAULT_ENV
+
+    root = tmp_path_factory.mktemp("connect")
+    expected = {**build_e2e_input(root / "input"), **build_hostile_input(root / "input"),
+                **build_shapes_input(root / "input")}
+    settings = dict(input=str(root / "input"), output_dir=str(root / "out"), batch_id="b-e2e",
+                    **engine_settings(tiny_model))
+    config = root / "connect.yaml"
+    config.write_text(yaml.safe_dump({**settings, "spark": {"spark.ui.enabled": "false",
+                                                             "spark.sql.shuffle.partitions": "2"}}))
+    marker = root / "killed.marker"
+    env = {**os.environ, FAULT_ENV: os.environ[FAULT_ENV].replace(
+        os.environ[FAULT_ENV].split(";")[0], f"kill_worker_once:{marker}:{KILL_CUSTOM_ID}")}
+    proc = subprocess.run([sys.executable, "-m", "spark_llm.cli", "run", "--remote", "local[2]", "--config",
+                           str(config)], env=env, capture_output=True, text=True, timeout=1800, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    paths = RunPaths.from_config(BatchConfig(**settings))
+    batch = BatchObject.model_validate_json(Path(paths.batch_file).read_text())
+    logs = [line.split(": ", 1)[1] for line in proc.stderr.splitlines() if " spark_llm." in line and ": " in line]
+    return SharedRun(BatchResult(batch, paths), expected, root, logs, marker)

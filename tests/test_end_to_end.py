@@ -1,5 +1,6 @@
 """The whole job on real Spark, real Delta and real vLLM (CPU) with the tiny model: every rule on one input (the
-shared run, see conftest.py and batch_lines.py)."""
+shared run, see conftest.py and batch_lines.py), run twice: with a classic session, and over Spark Connect (a local
+Connect server with Delta). The tables and files are read back with the classic session either way."""
 
 from __future__ import annotations
 
@@ -19,9 +20,15 @@ from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
 pytestmark = pytest.mark.engine
 
 
+@pytest.fixture(scope="module", params=["classic", "connect"])
+def session_run(request):
+    """The shared run (classic session) or the same batch over Spark Connect."""
+    return request.getfixturevalue("shared_run" if request.param == "classic" else "connect_run")
+
+
 @pytest.fixture(scope="module")
-def run(shared_run):
-    return shared_run.result, shared_run.expected, shared_run.root
+def run(session_run):
+    return session_run.result, session_run.expected, session_run.root
 
 
 def outputs_df(spark, result):
@@ -221,18 +228,18 @@ def test_report_html_has_the_summary_and_plots(run):
     assert f"<th>engine busy fraction (engine time / (slots x inference wall))</th><td>{busy:.1%}</td>" in page
 
 
-def test_progress_line_in_driver_log(run, shared_run):
+def test_progress_line_in_driver_log(run, session_run):
     result, _, _ = run
-    progress = [m for m in shared_run.logs if m.startswith("progress b-e2e: wave ")]
-    assert progress, shared_run.logs
+    progress = [m for m in session_run.logs if m.startswith("progress b-e2e: wave ")]
+    assert progress, session_run.logs
     engine_errors = 3  # one request the engine rejects, two poison requests
     assert f"requests {result.completed + engine_errors}/{result.completed + engine_errors} (100.0%)" in progress[-1]
     assert "tok/s" in progress[-1] and "eta" in progress[-1]
 
 
-def test_worker_killed_mid_partition_is_retried_exactly_once(spark, run, kill_marker):
+def test_worker_killed_mid_partition_is_retried_exactly_once(spark, run, session_run):
     result, _, _ = run
-    assert kill_marker.exists()  # the worker holding KILL_CUSTOM_ID's partition really died after its engine call
+    assert session_run.kill_marker.exists()  # the worker holding KILL_CUSTOM_ID's partition really died after its engine call
     killed = outputs_df(spark, result).where(F.col("custom_id") == KILL_CUSTOM_ID).collect()
     assert len(killed) == 1 and killed[0]["completion_tokens"] == 2
     assert Path(result.output_file).read_text().count(f'"custom_id":"{KILL_CUSTOM_ID}"') == 1
