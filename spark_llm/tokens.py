@@ -33,7 +33,9 @@ def get_tokenizer(path: str) -> Any:
         if tok is None:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(path)
+            from .models import local_copy
+
+            tok = AutoTokenizer.from_pretrained(local_copy(path, weights=False))  # a URI's copy on this host
             tok.model_max_length = sys.maxsize  # the context guard here decides; silence transformers' warning
             _TOKENIZERS[path] = tok
             log.info("loaded tokenizer %s", path)

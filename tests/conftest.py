@@ -40,15 +40,23 @@ def engine_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def spark(tmp_path_factory, kill_marker, engine_dir):
+def model_cache(tmp_path_factory) -> Path:
+    """This test run's model cache (spark_llm.models): the copies of models given as URIs."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory, kill_marker, engine_dir, model_cache):
     from spark_llm.engine_service import ENGINE_DIR_ENV
     from spark_llm.faults import FAULT_ENV
+    from spark_llm.models import MODEL_CACHE_ENV
     from spark_llm.session import get_session
 
     # set before Spark starts: local workers inherit the driver's environment
     os.environ[FAULT_ENV] = (f"kill_worker_once:{kill_marker}:{KILL_CUSTOM_ID};crash_on_custom_id:{POISON_WORKER_ID};"
                              f"kill_engine_on_custom_id:{POISON_ENGINE_ID}")
     os.environ[ENGINE_DIR_ENV] = str(engine_dir)
+    os.environ[MODEL_CACHE_ENV] = str(model_cache)
     warehouse = tmp_path_factory.mktemp("warehouse")
     # local[2]: two task slots; get_session gives a local master the task retries the quarantine needs
     session = get_session(master="local[2]", conf={

@@ -40,7 +40,9 @@ def embedded(spark, tiny_model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("embeddings")
     write_jsonl(root / "in.jsonl", [line for line, _ in LINES])
-    settings = {**engine_settings(tiny_model), "runner": "pooling", "lora_modules": {}}
+    # the model given as a URI: each host (here: this one) copies it once, for both engines
+    settings = {**engine_settings(tiny_model), "model": f"file://{tiny_model}", "runner": "pooling",
+                "lora_modules": {}}
     result = run_batch(spark, BatchConfig(input=str(root / "in.jsonl"), output_dir=str(root / "out"),
                                           batch_id="b-emb", **settings))
     write_jsonl(root / "again.jsonl", [LINES[0][0]])
@@ -67,6 +69,16 @@ def test_every_line_once_with_vectors_of_the_model_size(spark, embedded):
         assert all(len(d.embedding) == HIDDEN for d in parsed.data)
         assert parsed.usage.prompt_tokens == parsed.usage.total_tokens > 0 and parsed.model == MODEL_NAME
     assert len(got["emb-list"]["data"]) == 3 and got["emb-ids"]["usage"]["prompt_tokens"] == 5
+
+
+def test_a_model_given_as_a_uri_is_copied_once_for_the_host(embedded, model_cache, tiny_model):
+    from pathlib import Path
+
+    full = [p for p in model_cache.iterdir() if (p / "model.safetensors").exists()]
+    assert len(full) == 1, list(model_cache.iterdir())
+    weights = (Path(tiny_model) / "model.safetensors").read_bytes()
+    assert (full[0] / "model.safetensors").read_bytes() == weights
+    assert not list(model_cache.glob("*.partial-*"))
 
 
 def test_base64_decodes_to_the_float_answer_and_reruns_are_identical(spark, embedded):
