@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
@@ -84,15 +83,14 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
     if tokens_per_second is None and cfg.output_dir:
         tokens_per_second = measured_tokens_per_second(spark, RunPaths.from_config(cfg).metrics_table)
         source = "measured by earlier runs"
-    rows = estimate_cost(prepare(spark, cfg)).persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        valid = rows.where(F.col("error_code").isNull())  # est_tokens = prompt tokens + prompts x n x max_tokens
-        totals = valid.agg(F.count(F.lit(1)).alias("requests"), F.sum("prompt_tokens").alias("prompt"),
-                           F.sum("est_tokens").alias("est")).first()
-        errors = {r["error_code"]: int(r["count"]) for r in
-                  rows.where(F.col("error_code").isNotNull()).groupBy("error_code").count().collect()}
-    finally:
-        rows.unpersist()
+    # one aggregate over the prepared rows: per error code (null: the valid requests) the rows and their tokens
+    by_code = (estimate_cost(prepare(spark, cfg)).groupBy("error_code")
+               .agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("prompt"),
+                    F.sum("est_tokens").alias("est")).collect())  # a row per error code: metadata
+    errors = {r["error_code"]: int(r["n"]) for r in by_code if r["error_code"] is not None}
+    valid = next((r for r in by_code if r["error_code"] is None), None)
+    totals = {"requests": int(valid["n"]) if valid else 0, "prompt": valid["prompt"] if valid else 0,
+              "est": valid["est"] if valid else 0}
     slots = task_slots(spark, cfg.num_task_slots, cfg.tensor_parallel_size)
     partitions = num_partitions(int(totals["est"] or 0), cfg.target_tokens_per_partition, slots) \
         if totals["requests"] else 0
