@@ -97,7 +97,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """``spark-llm run`` and ``spark-llm plan``: exit 0 done, 2 bad settings, 3 the engine could not start."""
+    """``spark-llm run`` and ``spark-llm plan``: exit 0 done, 2 bad settings, 3 the engine could not start or the
+    batch failed at run time (a Spark job failed for good)."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {field: getattr(args, field) for field in BatchConfig.model_fields}
@@ -129,6 +130,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     except EngineStartError as exc:
         print(f"spark-llm: the inference engine could not start: {exc}", file=sys.stderr)
+        return 3
+    except Exception as exc:  # Spark gave up on a job (or its JVM died): batch.json says failed; resume continues
+        from .errors import describe_exception
+
+        print(f"spark-llm: the batch failed: {describe_exception(exc, 600)}; rerun with --resume to continue",
+              file=sys.stderr)
         return 3
     print(result.summary())
     return 0

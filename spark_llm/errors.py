@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 
 
@@ -49,5 +50,17 @@ def truncate(text: str | None, limit: int) -> str | None:
 
 
 def describe_exception(exc: BaseException, limit: int = 1000) -> str:
-    """``"<ExceptionType>: <message>"``, bounded, for engine_error rows."""
-    return truncate(f"{type(exc).__name__}: {exc}", limit) or type(exc).__name__
+    """``"<ExceptionType>: <message>"``, bounded; for a failure that comes from the JVM (a Spark job that failed for
+    good, an ``OutOfMemoryError``), its first line and its root cause, without the Java and Py4J stack traces."""
+    text = str(exc)
+    if "\n\tat " in text or "Py4J" in type(exc).__name__ or "JVM stacktrace" in text:
+        lines = [x.strip().lstrip(": ") for x in text.splitlines()
+                 if x.strip() and not x.lstrip().startswith("at ") and not x.startswith("An error occurred while")]
+        causes = [m.group(1) for x in lines[:400] if (m := _JAVA_CAUSE.match(x))]
+        first = lines[0] if lines else type(exc).__name__
+        text = first if not causes or causes[-1] in first else f"{first} (cause: {causes[-1]})"
+        return truncate(text, limit) or type(exc).__name__
+    return truncate(f"{type(exc).__name__}: {text}", limit) or type(exc).__name__
+
+
+_JAVA_CAUSE = re.compile(r"^(?:Caused by: )?((?:[\w$]+\.)*[\w$]*(?:Error|Exception): .+)$")

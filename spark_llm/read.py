@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+from typing import Iterable, Iterator
+
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
@@ -20,29 +22,154 @@ from .schemas import json_string
 log = logging.getLogger(__name__)
 
 
-def read_lines(spark: SparkSession, path: str) -> DataFrame:
-    """Raw input lines as ``value`` (binary), ``file`` (string) and ``line_number`` (long, 1-based).
+#: Compressed inputs: their file size says nothing about their lines, so the over-long-line guard is off for them.
+_COMPRESSED = (".gz", ".bz2", ".zst", ".lz4", ".snappy", ".deflate", ".xz", ".zstd")
+
+
+def read_lines(spark: SparkSession, path: str, max_line_bytes: int = 16 << 20) -> DataFrame:
+    """Raw input lines as ``value`` (binary), ``file`` (string), ``line_number`` (long, 1-based) and ``line_bytes``
+    (the line's size where ``value`` holds only its first bytes: a line over ``max_line_bytes``; else null).
 
     ``path`` is a file, a directory (its files, recursively; hidden ``_``/``.`` files skipped) or a glob on any
     Hadoop-compatible filesystem.
+
+    No line longer than ``max_line_bytes`` is ever held whole: Hadoop's line reader is told to step over such lines
+    (which it does without a word), and each file's byte count is checked against the bytes of the lines read; a file
+    that lost bytes that way is read again, streaming, by :func:`_stream_file_lines`, which keeps the first bytes of
+    an over-long line and its size (a ``line_too_large`` row in validation) and every other line as it is.
     """
     _check_exists(spark, path)
     reader = spark.read.format("text")
     if storage.is_dir(spark, path):
         reader = reader.option("recursiveFileLookup", "true")
+    files = reader.load(path).inputFiles()  # the listing Spark makes anyway: file names only
+    guarded = not any(f.lower().endswith(_COMPRESSED) for f in files)
+    if guarded:
+        reader = reader.option("mapreduce.input.linerecordreader.line.maxlength", str(max_line_bytes + 1))
+    else:
+        log.warning("compressed input: lines are read whole, however long (max_line_bytes still applies to them)")
     lines = reader.load(path).select(
         F.col("value").cast("binary").alias("value"),
         F.col("_metadata.file_path").alias("file"),
         F.col("_metadata.file_block_start").alias("block_start"),
+        F.col("_metadata.file_size").alias("file_size"),
         F.monotonically_increasing_id().alias("_pos"),
     )
-    splits = lines.groupBy("file", "block_start").agg(F.count(F.lit(1)).alias("_n"), F.min("_pos").alias("_first"))
+    splits = lines.groupBy("file", "block_start").agg(
+        F.count(F.lit(1)).alias("_n"), F.min("_pos").alias("_first"), F.sum(F.length("value")).alias("_bytes"),
+        F.max("file_size").alias("file_size")).collect()  # a row per file split: metadata
+    suspect = sorted(_files_missing_lines(splits, max_line_bytes)) if guarded else []
+    table = spark.createDataFrame(
+        [(r["file"], r["block_start"], r["_n"], r["_first"]) for r in splits],
+        "file string, block_start long, _n long, _first long")
     earlier = Window.partitionBy("file").orderBy("block_start").rowsBetween(Window.unboundedPreceding, -1)
-    splits = splits.withColumn("_offset", F.coalesce(F.sum("_n").over(earlier), F.lit(0)))
-    return (
-        lines.join(F.broadcast(splits.select("file", "block_start", "_offset", "_first")), ["file", "block_start"])
-        .select("value", "file", (F.col("_offset") + F.col("_pos") - F.col("_first") + 1).alias("line_number"))
-    )
+    table = table.withColumn("_offset", F.coalesce(F.sum("_n").over(earlier), F.lit(0)))
+    numbered = (
+        lines.where(~F.col("file").isin(suspect)) if suspect else lines
+    ).join(F.broadcast(table.select("file", "block_start", "_offset", "_first")), ["file", "block_start"]).select(
+        "value", "file", (F.col("_offset") + F.col("_pos") - F.col("_first") + 1).alias("line_number"),
+        F.lit(None).cast("long").alias("line_bytes"))
+    if not suspect:
+        return numbered
+    log.warning("%d input file(s) hold lines over max_line_bytes (%d): reading them again, streaming: %s",
+                len(suspect), max_line_bytes, ", ".join(suspect[:5]))
+    keep = max(_PREVIEW_BYTES, 1)
+    streamed = (spark.createDataFrame([(f,) for f in suspect], "file string").repartition(len(suspect))
+                .mapInPandas(lambda it: _stream_file_lines(it, max_line_bytes, keep), _STREAMED_SCHEMA))
+    return numbered.unionByName(streamed)
+
+
+#: How much of an over-long line is kept: enough for its custom_id and the error row's preview.
+_PREVIEW_BYTES = 64 * 1024
+_STREAMED_SCHEMA = "value binary, file string, line_number long, line_bytes long"
+
+
+def _files_missing_lines(splits: list, max_line_bytes: int) -> set[str]:
+    """Files whose lines do not add up to their size: Hadoop's reader stepped over a line there."""
+    per_file: dict[str, list[int]] = {}
+    for r in splits:
+        agg = per_file.setdefault(r["file"], [0, 0, int(r["file_size"] or 0)])
+        agg[0] += int(r["_n"])
+        agg[1] += int(r["_bytes"] or 0)
+    return {f for f, (n, kept, size) in per_file.items() if may_have_skipped(size, kept, n, max_line_bytes)}
+
+
+def may_have_skipped(file_size: int, kept_bytes: int, lines: int, max_line_bytes: int) -> bool:
+    """Whether a file of ``file_size`` bytes whose ``lines`` lines read hold ``kept_bytes`` may have had a line over
+    ``max_line_bytes`` stepped over. Each line ends in 1 or 2 bytes (LF, CR or CRLF; the last maybe none), so without
+    a skipped line ``file_size - kept_bytes`` is at most ``2 x lines``; a skipped line adds more than
+    ``max_line_bytes``, which only hides below ``2 x lines`` when a file has more lines than ``max_line_bytes``."""
+    rest = file_size - kept_bytes
+    return rest > 2 * lines or (lines >= max_line_bytes and rest > max_line_bytes)
+
+
+def _stream_file_lines(batches: Iterator, max_line_bytes: int, keep: int) -> Iterator:
+    """mapInPandas body: the lines of each file named in the batches, streamed (8 MiB at a time) with Hadoop's line
+    ends (LF, CRLF, CR) and numbers; a line over ``max_line_bytes`` as its first ``keep`` bytes and its size."""
+    import pandas as pd
+
+    for pdf in batches:
+        for file in pdf["file"]:
+            rows: list[tuple] = []
+            for row in split_lines(_chunks(file), max_line_bytes, keep):
+                rows.append((row[0], file, row[1], row[2]))
+                if len(rows) >= 4096:
+                    yield pd.DataFrame(rows, columns=["value", "file", "line_number", "line_bytes"])
+                    rows = []
+            if rows:
+                yield pd.DataFrame(rows, columns=["value", "file", "line_number", "line_bytes"])
+
+
+def _chunks(uri: str, size: int = 8 << 20) -> Iterator[bytes]:
+    filesystem, path = storage.python_filesystem(uri)
+    with filesystem.open_input_stream(path) as f:
+        while chunk := f.read(size):
+            yield chunk
+
+
+def split_lines(chunks: Iterable[bytes], max_line_bytes: int, keep: int) -> Iterator[tuple]:
+    """``(value, line_number, line_bytes)`` per line of a byte stream, as Hadoop's line reader splits it (LF, CRLF and
+    a lone CR end a line; no empty line after a final line end); a line over ``max_line_bytes`` is kept as its first
+    ``keep`` bytes with its size, never held whole."""
+    part = bytearray()
+    size, number, after_cr = 0, 0, False
+    for chunk in chunks:
+        i, n = 0, len(chunk)
+        if after_cr and n:
+            after_cr = False
+            if chunk[0] == 0x0A:  # the LF of a CRLF split across chunks
+                i = 1
+        next_lf, next_cr = chunk.find(b"\n", i), chunk.find(b"\r", i)
+        while i < n:
+            if 0 <= next_lf < i:
+                next_lf = chunk.find(b"\n", i)
+            if 0 <= next_cr < i:
+                next_cr = chunk.find(b"\r", i)
+            ends = [e for e in (next_lf, next_cr) if e >= 0]
+            end = min(ends) if ends else n
+            if size < max(keep, max_line_bytes + 1):
+                part += chunk[i:min(end, i + max(keep, max_line_bytes + 1) - size)]
+            size += end - i
+            if not ends:
+                break
+            number += 1
+            yield _line(part, size, number, max_line_bytes, keep)
+            part, size = bytearray(), 0
+            i = end + 1
+            if chunk[end] == 0x0D:
+                if end + 1 < n and chunk[end + 1] == 0x0A:
+                    i += 1
+                elif end + 1 == n:
+                    after_cr = True
+    if size or part:
+        number += 1
+        yield _line(part, size, number, max_line_bytes, keep)
+
+
+def _line(part: bytearray, size: int, number: int, max_line_bytes: int, keep: int) -> tuple:
+    if size > max_line_bytes:
+        return bytes(part[:keep]), number, size
+    return bytes(part), number, None
 
 
 def _check_exists(spark: SparkSession, path: str) -> None:
@@ -105,7 +232,7 @@ def table_lines(df: DataFrame, cfg, source: str) -> DataFrame:
                     F.lit(',"url":'), json_string(url), F.lit(',"body":'), F.coalesce(body, F.lit("null")), F.lit("}"))
     positioned = _with_positions(df.select(line.alias("_line")))
     return positioned.select(F.encode("_line", "UTF-8").alias("value"), F.lit(source).alias("file"),
-                             F.col("line_number").cast("long"))
+                             F.col("line_number").cast("long"), F.lit(None).cast("long").alias("line_bytes"))
 
 
 def _plain_body(df: DataFrame, cfg) -> "F.Column":
@@ -149,4 +276,4 @@ def read_input(spark: SparkSession, cfg) -> DataFrame:
     _check_exists(spark, cfg.input)
     if storage.is_delta_path(spark, cfg.input):
         return table_lines(spark.read.format("delta").load(cfg.input), cfg, cfg.input)
-    return read_lines(spark, cfg.input)
+    return read_lines(spark, cfg.input, cfg.max_line_bytes)

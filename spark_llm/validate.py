@@ -40,9 +40,11 @@ class ValidationContext:
     lora_modules: dict[str, str]
 
 
-def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: ValidationContext) -> Optional[dict]:
+def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: ValidationContext,
+                  size: Optional[int] = None) -> Optional[dict]:
     """Validate one raw input line. Returns ``None`` for a blank line, else a row dict with ``VALIDATED_FIELDS``:
-    either a request (``error_code`` None) or an error row (``error_code`` set)."""
+    either a request (``error_code`` None) or an error row (``error_code`` set). ``size``: the line's size when
+    ``raw`` holds only its first bytes (a line over max_line_bytes, see read.py)."""
     row = dict.fromkeys(VALIDATED_FIELDS)
     row["file"], row["line_number"] = file, line_number
     if raw is None:
@@ -54,11 +56,13 @@ def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: Val
         data = data[:-1]
     if not data.strip():
         return None
+    size = len(data) if size is None else size
     try:
-        if len(data) > ctx.max_line_bytes:
+        if size > ctx.max_line_bytes:
             row["raw_line"] = _raw_preview(data, ctx.max_raw_line_chars)
             raise RequestError(ErrorCode.LINE_TOO_LARGE,
-                               f"line is {len(data)} bytes, over the limit of {ctx.max_line_bytes} (max_line_bytes)")
+                               f"line is {size} bytes, over the limit of {ctx.max_line_bytes} (max_line_bytes); "
+                               f"split it, or raise max_line_bytes if it is meant to be one request")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -76,7 +80,7 @@ def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: Val
         for key in ("url", "kind", "request", "prompt_json", "sampling_json", "options_json", "max_tokens"):
             row[key] = None
         if err.code.value in LINE_LEVEL_CODES:  # the line's custom_id, whenever it shows one, for attribution
-            row["custom_id"] = recover_custom_id(data[:_RECOVERY_BYTES] if len(data) > ctx.max_line_bytes else data)
+            row["custom_id"] = recover_custom_id(data[:_RECOVERY_BYTES] if size > ctx.max_line_bytes else data)
     return row
 
 
@@ -206,8 +210,9 @@ def validate_batches(batches: Iterator, ctx: ValidationContext) -> Iterator:
 
     for pdf in batches:
         rows = []
-        for raw, file, line in zip(pdf["value"], pdf["file"], pdf["line_number"]):
-            row = validate_line(raw, file, int(line), ctx)
+        sizes = pdf["line_bytes"] if "line_bytes" in pdf else [None] * len(pdf)
+        for raw, file, line, size in zip(pdf["value"], pdf["file"], pdf["line_number"], sizes):
+            row = validate_line(raw, file, int(line), ctx, None if size is None or pd.isna(size) else int(size))
             if row is not None:
                 rows.append(row)
         out = pd.DataFrame(rows, columns=list(VALIDATED_FIELDS))

@@ -110,3 +110,50 @@ def test_a_missing_lora_adapter_stops_the_batch_before_any_work(spark, tmp_path,
     batch = json.loads((tmp_path / "out" / "batch.json").read_text())
     assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "invalid_config"
     assert spark.read.format("delta").load(str(tmp_path / "out" / "delta" / "outputs")).count() == 0
+
+
+@pytest.mark.engine
+def test_a_line_larger_than_the_jvm_heap_is_one_error_row_and_its_neighbours_are_answered(spark, tmp_path,
+                                                                                          tiny_model):
+    """A broken concatenation: one 2.5 GB line (the test session's JVM has a 2 GB heap) between two requests. It is
+    never held whole: it becomes one line_too_large row with its line number and first bytes."""
+    heap = spark.sparkContext.getConf().get("spark.driver.memory")
+    assert heap == "2g"
+    path = tmp_path / "in.jsonl"
+    huge = 2_500_000_000
+    with open(path, "wb") as f:
+        f.write(json.dumps(chat_line("before", temperature=0, max_tokens=2)).encode() + b"\n")
+        head = b'{"custom_id": "huge-line", "body": "'
+        f.write(head)
+        block = b"x" * (64 << 20)
+        written = 0
+        while written < huge:
+            f.write(block[:min(len(block), huge - written)])
+            written += min(len(block), huge - written)
+        f.write(b'"}\n')
+        f.write(json.dumps(chat_line("after", temperature=0, max_tokens=2)).encode() + b"\n")
+    try:
+        result = run_batch(spark, BatchConfig(input=str(path), output_dir=str(tmp_path / "out"),
+                                              **engine_settings(tiny_model)))
+    finally:
+        path.unlink()  # 2.5 GB of disk
+    answered = {r["custom_id"] for r in spark.read.format("delta").load(result.outputs_table).collect()}
+    [error] = spark.read.format("delta").load(result.errors_table).collect()
+    assert answered == {"before", "after"} and (result.completed, result.failed) == (2, 1)
+    assert (error["custom_id"], error["code"], error["line_number"]) == ("huge-line", "line_too_large", 2)
+    assert f"line is {len(head) + huge + 2} bytes" in error["message"] and error["raw_line"].startswith('{"custom_id": "huge-line"')
+
+
+def test_a_failure_from_the_jvm_is_one_readable_line():
+    from spark_llm.errors import describe_exception
+
+    class Py4JJavaError(Exception):
+        pass
+
+    exc = Py4JJavaError("An error occurred while calling o123.collect.\n: org.apache.spark.SparkException: Job "
+                        "aborted due to stage failure: Task 0 in stage 3.0 failed 8 times\n\tat org.apache.spark."
+                        "scheduler.DAGScheduler.failJob(DAGScheduler.scala:1)\nCaused by: java.lang.OutOfMemoryError:"
+                        " Java heap space\n\tat java.base/java.util.Arrays.copyOf(Arrays.java:3537)\n")
+    assert describe_exception(exc) == ("org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in "
+                                       "stage 3.0 failed 8 times (cause: java.lang.OutOfMemoryError: Java heap space)")
+    assert describe_exception(ValueError("bad")) == "ValueError: bad"

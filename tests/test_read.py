@@ -45,3 +45,46 @@ def test_line_numbers_stay_exact_when_a_file_is_split_across_tasks(spark, tmp_pa
 def test_missing_input_is_a_config_error(spark, tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         read_lines(spark, str(tmp_path / "nope*.jsonl"))
+
+
+def test_the_streaming_reader_splits_lines_as_hadoop_does():
+    from spark_llm.read import split_lines
+
+    data = b"\xef\xbb\xbfa\r\nb\rc\n\n\rd\r\nlast"
+    expected = [(b"\xef\xbb\xbfa", 1, None), (b"b", 2, None), (b"c", 3, None), (b"", 4, None), (b"", 5, None),
+                (b"d", 6, None), (b"last", 7, None)]
+    for size in (1, 2, 3, 5, 64):  # line ends (a CRLF too) falling across chunk edges
+        chunks = [data[i:i + size] for i in range(0, len(data), size)]
+        assert list(split_lines(chunks, max_line_bytes=1024, keep=16)) == expected
+    assert list(split_lines([b"x\n"], 1024, 16)) == [(b"x", 1, None)]  # no empty line after the last line end
+
+
+def test_the_streaming_reader_keeps_only_the_first_bytes_of_an_over_long_line():
+    from spark_llm.read import split_lines
+
+    long = b'{"custom_id": "huge", "pad": "' + b"a" * 10_000 + b'"}'
+    chunks = [b"ok-1\n" + long[:3000], long[3000:7000], long[7000:] + b"\r\nok-2"]
+    got = list(split_lines(chunks, max_line_bytes=2048, keep=100))
+    assert got == [(b"ok-1", 1, None), (long[:100], 2, len(long)), (b"ok-2", 3, None)]
+
+
+def test_a_file_that_lost_bytes_to_skipped_lines_is_recognised():
+    from spark_llm.read import may_have_skipped
+
+    assert not may_have_skipped(file_size=110, kept_bytes=100, lines=10, max_line_bytes=1024)  # LF endings
+    assert not may_have_skipped(file_size=120, kept_bytes=100, lines=10, max_line_bytes=1024)  # CRLF endings
+    assert may_have_skipped(file_size=100 + 10 + 2000, kept_bytes=100, lines=10, max_line_bytes=1024)
+    # more lines than max_line_bytes: a skipped line could hide in the line-end slack, so the file is read again
+    assert may_have_skipped(file_size=3000 + 2048 + 1100, kept_bytes=3000, lines=2048, max_line_bytes=1024)
+
+
+def test_an_over_long_line_is_one_short_row_and_its_neighbours_keep_their_numbers(spark, tmp_path):
+    long = b'{"custom_id": "huge", "pad": "' + b"a" * 100_000 + b'"}'
+    (tmp_path / "a.jsonl").write_bytes(b"first\n" + long + b"\r\nthird\n\nfifth")
+    (tmp_path / "b.jsonl").write_bytes(b"x\ny\n")  # a file without such a line: read the ordinary way
+    rows = {(r["file"].rsplit("/", 1)[-1], r["line_number"]): (bytes(r["value"]), r["line_bytes"])
+            for r in read_lines(spark, str(tmp_path), max_line_bytes=4096).collect()}
+    assert rows[("a.jsonl", 2)] == (long[:64 * 1024], len(long))
+    assert {k: v for k, v in rows.items() if k != ("a.jsonl", 2)} == {
+        ("a.jsonl", 1): (b"first", None), ("a.jsonl", 3): (b"third", None), ("a.jsonl", 4): (b"", None),
+        ("a.jsonl", 5): (b"fifth", None), ("b.jsonl", 1): (b"x", None), ("b.jsonl", 2): (b"y", None)}
