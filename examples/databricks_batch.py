@@ -5,7 +5,8 @@
 # MAGIC An OpenAI Batch API file (or a table) in, one vLLM engine per GPU of the cluster, Delta tables and OpenAI-format
 # MAGIC files out. Needs a GPU cluster (ML runtime) with `spark.task.resource.gpu.amount` **unset** in the cluster's
 # MAGIC Spark config (spark_llm asks for GPUs on the inference stage only; see `conf/databricks.yaml`), and the model in
-# MAGIC a Unity Catalog Volume every node can read.
+# MAGIC a Unity Catalog Volume every node can read. The notebook's `spark` may be a classic session (dedicated access
+# MAGIC mode) or a Spark Connect one (standard access mode, serverless, Databricks Connect): `run_batch` takes either.
 
 # COMMAND ----------
 
