@@ -14,8 +14,8 @@ twice on one GPU. So the engine lives beside the workers:
   a server for other settings or another grouping of those devices is asked to stop, and waited for, first.
 - Tasks send token ids and sampling settings over a Unix socket and get plain outputs back; a request the engine
   rejects is isolated there (:func:`~spark_llm.infer.generate_isolating`) and comes back as that request's error.
-- An engine that cannot start is remembered for the executor's life (per settings), so the task's retries fail at
-  once instead of loading the model again for each attempt.
+- An engine that cannot start is remembered for the rest of the run (per executor and settings), so the task's
+  retries fail at once instead of loading the model again for each attempt; the next run tries again.
 - A server stops when the executor that started it is gone, after ``engine_idle_timeout_seconds`` without requests,
   when asked, or when its engine dies. It writes what it does to ``events.jsonl`` in the engine directory (one JSON
   line per start, ready and stop), which the tests read as the engine's own records.
@@ -257,11 +257,13 @@ def _connect(slot: Slot, info: dict) -> Any:
 
 
 @contextlib.contextmanager
-def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSettings) -> Iterator[EngineClient]:
+def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSettings,
+               run_id: str = "") -> Iterator[EngineClient]:
     """The engine of this task's slot for ``spec`` (an :class:`~spark_llm.engine.EngineSpec`), started if needed
-    (stopping whatever else holds the slot's devices first); the slot is held until the block ends."""
-    failed = engine_dir() / f"start-failed-{executor_pid()}-{spec.key}.txt"
-    if failed.exists():  # a retried task: the same settings failed on this executor already, do not load again
+    (stopping whatever else holds the slot's devices first); the slot is held until the block ends. An engine that
+    could not start for these settings on this executor during run ``run_id`` is not tried again in that run."""
+    failed = engine_dir() / f"start-failed-{executor_pid()}-{spec.key}-{run_id}.txt"
+    if failed.exists():  # a retried task of the run: the same settings failed here already, do not load again
         raise EngineStartError(failed.read_text())
     with hold_slot(gpus) as slot:
         info = _read_info(slot)

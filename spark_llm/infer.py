@@ -37,6 +37,7 @@ class InferContext:
     wave: int = 0
     metrics: Any = None  # a Spark accumulator of per-partition records for the progress line (see metrics.py), or None
     journal: Optional[str] = None  #: where partitions keep their quarantine journals (see quarantine.py)
+    run_id: str = ""               #: the run (an engine that cannot start is not tried again within it)
 
 
 # ---- the partition function ------------------------------------------------------------------------------------
@@ -87,7 +88,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     requests, owner = _engine_requests(pdf)
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
     journal = Journal.open(ctx.journal, int(pdf["_part"].iat[0]) if "_part" in pdf else -1)
-    with engine_for(ctx.engine, gpus, ctx.process) as engine:
+    with engine_for(ctx.engine, gpus, ctx.process, ctx.run_id) as engine:
         t0 = time.monotonic()
         guarded = generate_guarded(engine, requests, owner, pdf, journal)
         engine_s = time.monotonic() - t0 - engine.rebuild_seconds
@@ -179,7 +180,7 @@ def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     import pandas as pd
 
     for _ in batches:
-        with engine_for(ctx.engine, task_gpus(ctx.engine.tensor_parallel_size), ctx.process) as engine:
+        with engine_for(ctx.engine, task_gpus(ctx.engine.tensor_parallel_size), ctx.process, ctx.run_id) as engine:
             yield pd.DataFrame({"slot": [engine.slot.name], "started": [engine.started_here]})
 
 

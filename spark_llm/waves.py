@@ -119,7 +119,7 @@ class EngineWarmup(SparkJobInBackground):
 def _infer_context(run: RunContext) -> InferContext:
     return InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
                         batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics,
-                        journal=f"{run.paths.staging}/quarantine/{run.run_id}")
+                        journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id)
 
 
 def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None) -> dict:

@@ -82,8 +82,11 @@ def test_max_requests_limit_stops_before_inference(spark, tmp_path, tiny_model):
 
 
 @pytest.mark.engine
-def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tmp_path, tiny_model):
+def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tmp_path, tiny_model, engine_dir):
     from openai.types import Batch
+
+    from spark_llm.engine import EngineSpec, resolve
+    from spark_llm.engine_service import read_events
 
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model, broken)
@@ -100,6 +103,16 @@ def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tm
     [reason] = batch["errors"]["data"]
     assert reason["code"] == "engine_start_failed" and "could not start the engine" in reason["message"]
     Batch.model_validate(batch)
+    # the task's retries (8 attempts in the local session) did not load the model again: one try per engine slot
+    key = EngineSpec.from_config(resolve(BatchConfig(**settings))).key
+    tries = lambda: len([e for e in read_events(engine_dir) if e["key"] == key and e["event"] == "start"])  # noqa
+    first = tries()
+    assert 1 <= first <= 2
+    # the next run tries again (the cause may be fixed by then)
+    with pytest.raises(EngineStartError):
+        run_batch(spark, BatchConfig(input=str(tmp_path / "in.jsonl"), output_dir=str(tmp_path / "again"),
+                                     **settings))
+    assert first < tries() <= 2 * first
 
 
 def test_a_missing_lora_adapter_stops_the_batch_before_any_work(spark, tmp_path, tiny_model):
