@@ -90,23 +90,33 @@ def _py_list(path: str) -> list[str]:
 
 
 def _py_clear_dir(path: str) -> None:
-    filesystem, _ = python_filesystem(path)
-    for child in _py_list(path):
-        if _py_info(child) == "dir":
-            filesystem.delete_dir(child)
+    from pyarrow import fs
+
+    filesystem, p = python_filesystem(path)
+    for child in filesystem.get_file_info(fs.FileSelector(p, allow_not_found=True)):
+        if child.type == fs.FileType.Directory:
+            filesystem.delete_dir(child.path)
         else:
-            filesystem.delete_file(child)
+            filesystem.delete_file(child.path)
 
 
 def _py_write_atomic(path: str, data: bytes) -> None:
     filesystem, p = python_filesystem(path)
-    filesystem.create_dir(p.rsplit("/", 1)[0], recursive=True)
-    tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+    _py_replace(filesystem, p, lambda out: out.write(data))
+
+
+def _py_replace(filesystem: Any, path: str, write: Callable[[Any], Any]) -> Any:
+    """Write ``path`` through a temp file beside it and a rename (pyarrow); returns what ``write`` returned."""
+    from pyarrow import fs
+
+    filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with filesystem.open_output_stream(tmp) as out:
-        out.write(data)
-    if filesystem.get_file_info(p).type != 0:  # FileType.NotFound
-        filesystem.delete_file(p)
-    filesystem.move(tmp, p)
+        result = write(out)
+    if filesystem.get_file_info(path).type != fs.FileType.NotFound:
+        filesystem.delete_file(path)
+    filesystem.move(tmp, path)
+    return result
 
 def _hadoop(spark: SparkSession, path: str) -> tuple[Any, Any]:
     """Hadoop's (JVM-wide cached) FileSystem for ``path``, and the path: for reads and deletes."""
@@ -264,20 +274,17 @@ def write_single_text_file(spark: SparkSession, lines: DataFrame, dest: str) -> 
 def _write_in_one_task(lines: DataFrame, dest: str) -> None:
     import pandas as pd
 
+    def copy(batches: Iterator, out: Any) -> int:
+        n = 0
+        for pdf in batches:
+            if len(pdf):
+                out.write(("\n".join(pdf["value"]) + "\n").encode("utf-8"))
+                n += len(pdf)
+        return n
+
     def task(batches: Iterator) -> Iterator:
         filesystem, p = python_filesystem(dest)
-        filesystem.create_dir(p.rsplit("/", 1)[0], recursive=True)
-        tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
-        n = 0
-        with filesystem.open_output_stream(tmp) as out:
-            for pdf in batches:
-                if len(pdf):
-                    out.write(("\n".join(pdf["value"]) + "\n").encode("utf-8"))
-                    n += len(pdf)
-        if filesystem.get_file_info(p).type != 0:  # FileType.NotFound
-            filesystem.delete_file(p)
-        filesystem.move(tmp, p)
-        yield pd.DataFrame({"lines": [n]})
+        yield pd.DataFrame({"lines": [_py_replace(filesystem, p, lambda out: copy(batches, out))]})
 
     lines.coalesce(1).mapInPandas(task, "lines long").collect()  # one row: the count
 
