@@ -7,6 +7,10 @@ the same weights and the same tokenizer every time, so greedy decoding gives the
 
     python scripts/make_tiny_model.py --out /tmp/tiny-llm
     python scripts/make_tiny_model.py --kind lora --base /tmp/tiny-llm --out /tmp/tiny-lora
+    python scripts/make_tiny_model.py --kind embedding --base /tmp/tiny-llm --out /tmp/tiny-embed
+
+``--kind embedding`` makes a sentence-transformers directory of the tiny Llama (modules.json: the transformer, mean
+pooling, normalisation), which vLLM's pooling runner loads as an embedding model: unit-length vectors of 256 floats.
 """
 
 from __future__ import annotations
@@ -179,12 +183,49 @@ def build_lora(base: Path, out: Path, *, seed: int = 1, rank: int = 8) -> Path:
     return out
 
 
+def build_embedding(base: Path, out: Path) -> Path:
+    """A sentence-transformers embedding model from the tiny Llama at ``base`` (its files linked, not copied): the
+    transformer's token states, mean-pooled and normalised, as sentence-transformers' modules.json says. spark_llm
+    (runner auto) and vLLM read that layout: the pooling runner with mean pooling and unit-length vectors."""
+    base, out = Path(base), Path(out)
+    hidden = json.loads((base / "config.json").read_text())["hidden_size"]
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-embed-", dir=out.parent if out.parent.exists() else None))
+    try:
+        for f in base.iterdir():
+            if f.is_file():
+                try:
+                    (tmp / f.name).hardlink_to(f)
+                except OSError:  # another filesystem
+                    shutil.copy2(f, tmp / f.name)
+        (tmp / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}],
+            indent=2))
+        (tmp / "1_Pooling").mkdir()
+        (tmp / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False,
+             "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}, indent=2))
+        (tmp / "2_Normalize").mkdir()
+        (tmp / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "cosine"}))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="model directory to create (replaced if it exists)")
-    p.add_argument("--kind", choices=["llm", "lora"], default="llm",
-                   help="llm: the tiny Llama; lora: a LoRA adapter for the tiny Llama given by --base")
-    p.add_argument("--base", help="with --kind lora: the tiny Llama's directory")
+    p.add_argument("--kind", choices=["llm", "lora", "embedding"], default="llm",
+                   help="llm: the tiny Llama; lora: a LoRA adapter for the tiny Llama given by --base; embedding: a "
+                        "sentence-transformers embedding model of it")
+    p.add_argument("--base", help="with --kind lora or embedding: the tiny Llama's directory (embedding: built "
+                                  "first when not given)")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the weights")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size to train")
     p.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings of the model")
@@ -194,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.base:
             p.error("--kind lora needs --base (the tiny Llama's directory)")
         print(f"tiny LoRA adapter written to {build_lora(Path(args.base), Path(args.out), seed=args.seed + 1)}")
+        return 0
+    if args.kind == "embedding":
+        with tempfile.TemporaryDirectory() as scratch:
+            base = Path(args.base) if args.base else build_model(Path(scratch) / "llm", seed=args.seed,
+                                                                 vocab_size=args.vocab_size, max_len=args.max_len)
+            print(f"tiny embedding model written to {build_embedding(base, Path(args.out))}")
         return 0
     marker = Path(args.out) / "tiny_model_version"
     if args.if_stale and marker.exists() and marker.read_text().strip() == str(VERSION):

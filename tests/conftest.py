@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MODEL_NAME = "tiny-llm"
 ADAPTER = "tiny-lora"  #: the LoRA adapter's name (and directory name, beside the tiny model)
+EMBEDDING_MODEL = "tiny-embed"  #: the embedding model's directory name, beside the tiny model
 #: The shared run holds a request with this custom_id: the Python worker whose partition holds it dies hard once,
 #: right after its engine call (spark_llm.faults), and Spark retries the partition.
 KILL_CUSTOM_ID = "kill-my-worker"
@@ -85,6 +86,14 @@ def tiny_model(tmp_path_factory) -> str:
     script.build_model(out, seed=0)
     script.build_lora(out, out.parent / ADAPTER)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def embedding_model(tiny_model) -> str:
+    """The tiny Llama as a sentence-transformers embedding model (make_tiny_model.py --kind embedding): mean
+    pooling, normalised, 256 floats; its weight file linked to the tiny Llama's."""
+    out = Path(tiny_model).parent / EMBEDDING_MODEL
+    return str(_load_script("make_tiny_model").build_embedding(Path(tiny_model), out))
 
 
 def write_jsonl(path: Path, lines: list) -> Path:

@@ -1,5 +1,6 @@
-"""/v1/embeddings on a pooling engine (the tiny Llama in vLLM's pooling runner): vectors for every input, floats or
-base64, the embeddings table as a real column, and the lines a pooling model cannot serve as error rows."""
+"""/v1/embeddings on a pooling engine (the tiny sentence-transformers model, make_tiny_model.py --kind embedding,
+found to be one from its directory and run in vLLM's pooling runner): vectors for every input, floats or base64, the
+embeddings table as a real column, and the lines a pooling model cannot serve as error rows."""
 
 from __future__ import annotations
 
@@ -35,14 +36,14 @@ LINES = [
 
 
 @pytest.fixture(scope="module")
-def embedded(spark, tiny_model, tmp_path_factory):
+def embedded(spark, tiny_model, embedding_model, tmp_path_factory):
     from spark_llm import BatchConfig, run_batch
 
     root = tmp_path_factory.mktemp("embeddings")
     write_jsonl(root / "in.jsonl", [line for line, _ in LINES])
-    # the model given as a URI: each host (here: this one) copies it once, for both engines
-    settings = {**engine_settings(tiny_model), "model": f"file://{tiny_model}", "runner": "pooling",
-                "lora_modules": {}}
+    # the model given as a URI: each host (here: this one) copies it once, for both engines; runner auto finds its
+    # sentence-transformers files
+    settings = {**engine_settings(tiny_model), "model": f"file://{embedding_model}", "lora_modules": {}}
     result = run_batch(spark, BatchConfig(input=str(root / "in.jsonl"), output_dir=str(root / "out"),
                                           batch_id="b-emb", **settings))
     write_jsonl(root / "again.jsonl", [LINES[0][0]])
@@ -68,15 +69,17 @@ def test_every_line_once_with_vectors_of_the_model_size(spark, embedded):
         assert [d.index for d in parsed.data] == list(range(len(parsed.data)))
         assert all(len(d.embedding) == HIDDEN for d in parsed.data)
         assert parsed.usage.prompt_tokens == parsed.usage.total_tokens > 0 and parsed.model == MODEL_NAME
+        # mean-pooled and normalised, as the model's modules.json says: unit length
+        assert all(sum(x * x for x in d.embedding) == pytest.approx(1.0, abs=1e-3) for d in parsed.data)
     assert len(got["emb-list"]["data"]) == 3 and got["emb-ids"]["usage"]["prompt_tokens"] == 5
 
 
-def test_a_model_given_as_a_uri_is_copied_once_for_the_host(embedded, model_cache, tiny_model):
+def test_a_model_given_as_a_uri_is_copied_once_for_the_host(embedded, model_cache, embedding_model):
     from pathlib import Path
 
     full = [p for p in model_cache.iterdir() if (p / "model.safetensors").exists()]
     assert len(full) == 1, list(model_cache.iterdir())
-    weights = (Path(tiny_model) / "model.safetensors").read_bytes()
+    weights = (Path(embedding_model) / "model.safetensors").read_bytes()
     assert (full[0] / "model.safetensors").read_bytes() == weights
     assert not list(model_cache.glob("*.partial-*"))
 
