@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Set up (idempotent), build the tiny local model, and run the batch job on the bundled demo input
-# (scripts/demo/requests.jsonl: ~50 requests, some in Chinese, some deliberately malformed) on local Spark + vLLM CPU.
+# (scripts/demo/requests.jsonl: ~60 requests, some in Chinese, some deliberately malformed, chat on the tiny model and
+# on its LoRA adapter, embeddings on the tiny embedding model) on local Spark + vLLM CPU.
 # Results land in demo_output/ (replaced on every run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 MODEL_DIR=.cache/tiny-llm
 .venv/bin/python scripts/make_tiny_model.py --if-stale --out "$MODEL_DIR"
+[ -f .cache/tiny-lora/adapter_config.json ] || \
+  .venv/bin/python scripts/make_tiny_model.py --kind lora --base "$MODEL_DIR" --out .cache/tiny-lora
+.venv/bin/python scripts/make_tiny_model.py --kind embedding --base "$MODEL_DIR" --out .cache/tiny-embed
 .venv/bin/spark-llm run --config conf/local.yaml --model "$MODEL_DIR" \
+  --lora-modules tiny-lora=.cache/tiny-lora --max-lora-rank 8 --extra-model tiny-embed=.cache/tiny-embed \
   --input scripts/demo/requests.jsonl --output-dir demo_output --batch-id demo --overwrite "$@"
 echo
 echo "First output line:"; head -n 1 demo_output/output.jsonl | cut -c1-400

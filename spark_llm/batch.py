@@ -91,12 +91,13 @@ class BatchObject(BaseModel):
     @staticmethod
     def _common(run: "RunContext") -> dict[str, Any]:
         cfg, paths = run.cfg, run.paths
-        return dict(id=run.batch_id, model=cfg.served_model_name or "",
+        models = run.models or (cfg,)
+        return dict(id=run.batch_id, model=",".join(m.served_model_name or "" for m in models),
                     input_file_id=cfg.input or cfg.input_table or "",
                     output_file_id=paths.output_file, error_file_id=paths.error_file, created_at=run.created_at,
                     metadata={"outputs_table": paths.outputs_table, "errors_table": paths.errors_table,
                               "metrics_table": paths.metrics_table, "report_file": paths.report_file,
-                              **({"embeddings_table": paths.embeddings_table} if cfg.runner == "pooling" else {})})
+                              **({"embeddings_table": paths.embeddings_table} if run.has_embeddings else {})})
 
     @classmethod
     def completed(cls, run: "RunContext", tally: Tally, errors: BatchErrors, endpoint: str,

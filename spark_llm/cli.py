@@ -40,6 +40,20 @@ class _Mapping(argparse.Action):
         setattr(namespace, self.dest, current)
 
 
+class _ModelEntries(argparse.Action):
+    """``NAME=PATH``, repeatable, or a JSON object ``{name, path, kind, <engine settings>}``: one more model each."""
+
+    def __call__(self, parser: Any, namespace: Any, value: Any, option_string: Any = None) -> None:
+        if value.lstrip().startswith("{"):
+            entry = _json_object(value)
+        else:
+            name, sep, path = value.partition("=")
+            if not (sep and name and path):
+                raise argparse.ArgumentError(self, f"expected NAME=PATH (or a JSON object), got {value!r}")
+            entry = {"name": name, "path": path}
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), entry])
+
+
 def _argument_kwargs(annotation: Any) -> dict[str, Any]:
     """argparse settings for a config field's type (Optional[...] unwrapped)."""
     args = [a for a in get_args(annotation) if a is not type(None)]
@@ -53,11 +67,15 @@ def _argument_kwargs(annotation: Any) -> dict[str, Any]:
         return {"action": _Mapping, "metavar": "NAME=VALUE"}
     if get_origin(annotation) is dict:
         return {"type": _json_object, "metavar": "JSON"}
+    if get_origin(annotation) is list:
+        return {"action": _ModelEntries, "metavar": "NAME=PATH"}
     return {"type": annotation}
 
 
 def flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
+    """The field's flag: ``--field-name``, or the one its metadata names."""
+    extra = BatchConfig.model_fields[field].json_schema_extra or {}
+    return extra.get("flag") or "--" + field.replace("_", "-")  # type: ignore[union-attr]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,6 +49,35 @@ class ConfigError(ValueError):
     """Bad configuration: the job stops before doing any work, with this message."""
 
 
+#: Settings that belong to one model rather than to the batch: an extra model (:class:`ModelEntry`) starts from
+#: their defaults instead of inheriting the top level's (adapters, parsers and context length are the main model's).
+MODEL_OWN_SETTINGS = ("tokenizer", "max_model_len", "runner", "lora_modules", "reasoning_parser", "tool_call_parser")
+
+#: ModelEntry.kind -> the runner it means.
+KIND_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling"}
+
+
+class ModelEntry(BaseModel):
+    """One more model of a batch (``models:`` in YAML, ``--extra-model NAME=PATH`` on the command line): requests
+    whose ``body.model`` is ``name`` run on it. Any other key is an engine setting of this model that differs from
+    the top level (e.g. ``max_model_len``, ``tensor_parallel_size``, ``kv_cache_memory_bytes``, ``lora_modules``)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    name: str = Field(description="The model's name in body.model and in its responses.")
+    path: str = Field(description="Model directory, filesystem URI or Hugging Face repo id, as --model.")
+    kind: Literal["auto", "generate", "embed"] = Field(
+        "auto", description="generate (chat, completions, responses) or embed (embeddings, vLLM's pooling runner); "
+        "auto: read from the model directory, as runner auto.")
+
+    @field_validator("name", "path")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
 class BatchConfig(BaseModel):
     """Everything one batch run needs. Every field has a default; ``model``, ``input`` and ``output_dir`` must be set
     before :func:`spark_llm.run_batch` is called."""
@@ -234,6 +263,13 @@ class BatchConfig(BaseModel):
         default_factory=dict, description="Extra keyword arguments passed verbatim to vllm.LLM (e.g. "
         "quantization, swap_space). Takes precedence over the fields above.",
         json_schema_extra=engine("model and engine"))
+    models: list[ModelEntry] = Field(
+        default_factory=list, description="More models in the same batch, each served under its name: requests "
+        "are routed by body.model. CLI: --extra-model NAME=PATH (repeatable) or a JSON object {name, path, kind, "
+        "<engine settings>}. Inference runs model by model (every partition of one, then the next), so each engine "
+        "slot switches models once per model; a switch costs one engine load. Settings not given for a model are "
+        "the top level's, except its own tokenizer, max_model_len, runner, lora_modules and parsers.",
+        json_schema_extra={**group("model and engine"), "flag": "--extra-model"})
 
     # ---- sampling defaults ------------------------------------------------------------------------------------
     default_max_tokens: int = Field(
@@ -298,10 +334,26 @@ class BatchConfig(BaseModel):
             raise ValueError("retry_errors only applies with resume")
         if self.prompt_column and self.messages_column:
             raise ValueError("give prompt_column or messages_column, not both")
+        self._check_models()
         if self.compact_json and self.structured_outputs_backend not in ("xgrammar", "guidance"):
             raise ValueError("compact_json needs structured_outputs_backend xgrammar or guidance (vLLM's other "
                              "backends cannot drop the whitespace); set --no-compact-json or pick one of them")
         return self
+
+    def _check_models(self) -> None:
+        engine_settings = set(self.fields_of("engine")) - {"model"}
+        for entry in self.models:
+            unknown = sorted(set(entry.model_extra or {}) - engine_settings)
+            if unknown:
+                raise ValueError(f"models: {entry.name!r} sets {', '.join(unknown)}, which are not engine settings; "
+                                 f"a model may set {', '.join(sorted(engine_settings))}")
+        names = [self.served_model_name or Path((self.model or "").rstrip("/")).name, *self.lora_modules]
+        for entry in self.models:
+            names += [entry.name, *(entry.model_extra or {}).get("lora_modules", {})]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if self.models and repeated:
+            raise ValueError(f"models: the name(s) {', '.join(map(repr, repeated))} are given to more than one model "
+                             f"or adapter; body.model must name exactly one")
 
     @model_validator(mode="after")
     def _fill_names(self) -> "BatchConfig":
@@ -328,12 +380,28 @@ class BatchConfig(BaseModel):
     def resolved(self, max_model_len: int, runner: str = "generate") -> "BatchConfig":
         """A copy with everything a run derives filled in: a generated batch_id when none was given, the model's
         context length and runner (when auto), the tokenizer (default: the model directory), and local relative
-        model and tokenizer paths made absolute (executors run in other directories). See engine.resolve."""
+        model, tokenizer and adapter paths made absolute (executors run in other directories). See engine.resolve."""
         model, tokenizer = _absolute(self.model), _absolute(self.tokenizer or self.model)
         return self.model_copy(update={"batch_id": self.batch_id or "batch_" + uuid.uuid4().hex,
                                        "max_model_len": self.max_model_len or max_model_len,
                                        "runner": runner if self.runner == "auto" else self.runner,
-                                       "model": model, "tokenizer": tokenizer})
+                                       "model": model, "tokenizer": tokenizer,
+                                       "lora_modules": {k: _absolute(v) for k, v in self.lora_modules.items()}})
+
+    def per_model(self) -> list["BatchConfig"]:
+        """One config per model of the batch, the main model first: an extra model's config is this one with its
+        name, path, kind and settings (see :data:`MODEL_OWN_SETTINGS`), and no ``models`` of its own."""
+        own = {name: BatchConfig.model_fields[name].get_default(call_default_factory=True)
+               for name in MODEL_OWN_SETTINGS}
+        base = self.model_dump(exclude={"models"})
+        configs = [self.model_copy(update={"models": []})]
+        for entry in self.models:
+            try:
+                configs.append(BatchConfig(**{**base, **own, "model": entry.path, "served_model_name": entry.name,
+                                              "runner": KIND_RUNNER[entry.kind], **(entry.model_extra or {})}))
+            except ValidationError as exc:
+                raise ConfigError(f"models: {entry.name!r}: {_describe(exc)}") from None
+        return configs
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict safe to log: values under secret-looking keys are masked."""
@@ -378,8 +446,10 @@ def _absolute(path: Optional[str]) -> Optional[str]:
 
 
 def config_view(cls: type[_T], cfg: BatchConfig) -> _T:
-    """The dataclass ``cls`` (a stage's small, picklable context) filled from the config fields of the same names."""
-    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+    """The dataclass ``cls`` (a stage's small, picklable context) filled from the config fields of the same names
+    (its fields marked ``derived`` in their metadata keep their defaults)."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                  if not f.metadata.get("derived")})
 
 
 _SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "auth"}

@@ -5,6 +5,7 @@ takes it instead of a list of parameters."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -15,7 +16,7 @@ from pyspark.sql import SparkSession
 
 from . import storage
 from .config import BatchConfig
-from .engine import inference_profile, resolve
+from .engine import inference_profile, resolve, resolve_models
 from .metrics import ListParam
 from .session import is_connect, spark_conf
 
@@ -62,6 +63,8 @@ class RunContext:
     #: Connect, which has no accumulators (the records also travel with the staged results, for the metrics table)
     metrics: Any
     run_id: str          #: this run of the batch (each --resume run is a new one)
+    #: every model of the batch as a resolved config, the main model (``cfg``) first; one entry for most batches
+    models: tuple[BatchConfig, ...] = ()
 
     @classmethod
     def start(cls, spark: SparkSession, config: BatchConfig) -> "RunContext":
@@ -70,7 +73,16 @@ class RunContext:
         created_at = (_previous_created_at(spark, paths.batch_file) if cfg.resume else None) or int(time.time())
         metrics = None if is_connect(spark) else spark.sparkContext.accumulator([], ListParam())
         return cls(spark=spark, cfg=cfg, paths=paths, created_at=created_at, started=time.time(),
-                   metrics=metrics, run_id=uuid.uuid4().hex[:12])
+                   metrics=metrics, run_id=uuid.uuid4().hex[:12], models=resolve_models(cfg))
+
+    @property
+    def has_embeddings(self) -> bool:
+        """A model of the batch is an embedding model: its vectors also go to the embeddings table."""
+        return any(m.runner == "pooling" for m in self.models or (self.cfg,))
+
+    def for_model(self, cfg: BatchConfig) -> "RunContext":
+        """This run with ``cfg`` (one of :attr:`models`) as the settings its inference stage reads."""
+        return dataclasses.replace(self, cfg=cfg)
 
     @property
     def gpu_profile(self) -> Any:

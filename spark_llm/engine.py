@@ -99,6 +99,19 @@ def resolve(config: BatchConfig) -> BatchConfig:
                            runner=model_runner(model))
 
 
+def resolve_models(cfg: BatchConfig) -> tuple[BatchConfig, ...]:
+    """Every model of the resolved ``cfg`` as a resolved config of its own (the main model, ``cfg`` itself, first),
+    sharing its batch_id."""
+    resolved = [cfg]
+    for extra in cfg.per_model()[1:]:
+        try:
+            resolved.append(resolve(extra))
+        except ConfigError as exc:  # say which model, and where its settings go
+            reason = str(exc).replace("--max-model-len / MAX_MODEL_LEN", "its max_model_len")
+            raise ConfigError(f"models: {extra.served_model_name!r}: {reason}") from None
+    return tuple(resolved)
+
+
 #: Architecture name endings of generative models; anything else (BertModel, XLMRobertaModel ...) is an encoder.
 _GENERATIVE = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
 

@@ -38,6 +38,12 @@ class InferContext:
     metrics: Any = None  # a Spark accumulator of per-partition records for the progress line (see metrics.py), or None
     journal: Optional[str] = None  #: where partitions keep their quarantine journals (see quarantine.py)
     run_id: str = ""               #: the run (an engine that cannot start is not tried again within it)
+    #: planned partitions of the run before this model's (a batch of several models numbers them across its models)
+    partition_offset: int = 0
+
+    def partition(self, pdf: Any) -> int:
+        """The run's number of the partition ``pdf`` (its planned partition, after the earlier models')."""
+        return int(pdf["_part"].iat[0]) + self.partition_offset if "_part" in pdf else -1
 
 
 # ---- the partition function ------------------------------------------------------------------------------------
@@ -87,7 +93,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     rows = [_base_row(pdf, i, ctx) for i in range(n)]
     requests, owner = _engine_requests(pdf)
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
-    journal = Journal.open(ctx.journal, int(pdf["_part"].iat[0]) if "_part" in pdf else -1)
+    journal = Journal.open(ctx.journal, ctx.partition(pdf))
     with engine_for(ctx.engine, gpus, ctx.process, ctx.run_id) as engine:
         t0 = time.monotonic()
         guarded = generate_guarded(engine, requests, owner, pdf, journal)
@@ -244,7 +250,7 @@ def _metrics_record(ctx: InferContext, pdf: Any, rows: list, times: tuple[float,
             errors[r["error_code"]] = errors.get(r["error_code"], 0) + 1
     p_tok = sum(r["prompt_tokens"] for r in ok)
     c_tok = sum(r["completion_tokens"] for r in ok)
-    return {"wave": ctx.wave, "partition": int(pdf["_part"].iat[0]) if "_part" in pdf else -1,
+    return {"wave": ctx.wave, "partition": ctx.partition(pdf), "model": ctx.served_model_name,
             "worker_pid": os.getpid(), "rows": len(rows), "prompt_tokens": p_tok, "completion_tokens": c_tok,
             "engine_load_seconds": round(engine.load_seconds, 3), "engine_seconds": round(engine_s, 3),
             "engine_slot": engine.slot.name, "engine_pid": engine.info.get("pid"), "gpus": ",".join(gpus or []),

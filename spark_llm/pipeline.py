@@ -2,7 +2,8 @@
 
     check settings -> context -> destination -> [GPU clusters: the engines start loading, in the background]
     -> prepare (read, validate, dedupe, count tokens, ids) -> validation errors
-    -> infer in waves (plan; infer and commit, two waves in flight) -> report (files, batch.json, report.html)
+    -> infer model by model, in waves (plan; infer and commit, two waves in flight)
+    -> report (files, batch.json, report.html)
 
 Each stage lives in its own module and takes the run's :class:`~spark_llm.context.RunContext`.
 """
@@ -27,7 +28,7 @@ from .prepare import check_size, count_outcomes, prepare
 from .quarantine import retry_budget_warning
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta, spark_conf
-from .waves import EngineWarmup, infer_in_waves
+from .waves import EngineWarmup, infer_models
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     log.info("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))
     with run.job_group():
         try:
-            check_adapters(run.cfg.lora_modules, run.cfg.max_lora_rank)
+            for model in run.models:
+                check_adapters(model.lora_modules, model.max_lora_rank)
             outcome = _write_rows(run)
         except BaseException as exc:
             write_failed_batch(run, exc)
@@ -64,7 +66,7 @@ def _write_rows(run: RunContext) -> Outcome:
     """Every pending line to one row: validation errors first, then inference in waves."""
     warmup = EngineWarmup.start(run)  # GPU clusters: the engines load while the batch is prepared
     run.describe("read, validate and count tokens")
-    requests = prepare(run.spark, run.cfg).persist(StorageLevel.MEMORY_AND_DISK)
+    requests = prepare(run.spark, run.models).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         counts = count_outcomes(requests)
         check_size(counts, run.cfg)
@@ -79,7 +81,7 @@ def _write_rows(run: RunContext) -> Outcome:
             write.insert_errors(run, write.error_rows(pending, run))
         plan = None
         if todo.ok:
-            plan = infer_in_waves(run, estimate_cost(pending.where(F.col("error_code").isNull())), warmup)
+            plan = infer_models(run, estimate_cost(pending.where(F.col("error_code").isNull())), warmup)
         elif run.cfg.resume:
             log.info("batch %s: nothing left to run; no new rows written", run.batch_id)
     finally:

@@ -9,6 +9,7 @@ engine time from a tokens/s figure: given, or measured by earlier runs (their me
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +19,7 @@ from pyspark.sql import functions as F
 from . import storage
 from .config import BatchConfig, ConfigError
 from .context import RunPaths
-from .engine import check_adapters, resolve
+from .engine import check_adapters, resolve, resolve_models
 from .partition import estimate_cost, num_partitions, task_slots
 from .prepare import prepare
 
@@ -77,26 +78,41 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
     config.require("model")
     if not (config.input or config.input_table):
         raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
-    cfg = resolve(config)
-    check_adapters(cfg.lora_modules, cfg.max_lora_rank)
+    models = resolve_models(resolve(config))
+    cfg = models[0]
+    for model in models:
+        check_adapters(model.lora_modules, model.max_lora_rank)
     source = "given"
-    if tokens_per_second is None and cfg.output_dir:
-        tokens_per_second = measured_tokens_per_second(spark, RunPaths.from_config(cfg).metrics_table)
-        source = "measured by earlier runs"
-    # one aggregate over the prepared rows: per error code (null: the valid requests) the rows and their tokens
-    by_code = (estimate_cost(prepare(spark, cfg)).groupBy("error_code")
-               .agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("prompt"),
-                    F.sum("est_tokens").alias("est")).collect())  # a row per error code: metadata
-    errors = {r["error_code"]: int(r["n"]) for r in by_code if r["error_code"] is not None}
-    valid = next((r for r in by_code if r["error_code"] is None), None)
-    totals = {"requests": int(valid["n"]) if valid else 0, "prompt": valid["prompt"] if valid else 0,
-              "est": valid["est"] if valid else 0}
+    with ThreadPoolExecutor(max_workers=1) as background:
+        measured = None
+        if tokens_per_second is None and cfg.output_dir:  # read while the batch is counted (a cold read takes seconds)
+            measured = background.submit(measured_tokens_per_second, spark, RunPaths.from_config(cfg).metrics_table)
+            source = "measured by earlier runs"
+        # one aggregate over the prepared rows: per model and error code (null: the valid requests) the rows and
+        # their tokens
+        groups = (estimate_cost(prepare(spark, models)).groupBy("model", "error_code")
+                  .agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("prompt"),
+                       F.sum("est_tokens").alias("est")).collect())  # a row per model and error code: metadata
+        if measured is not None:
+            tokens_per_second = measured.result()
+    errors: dict[str, int] = {}
+    for r in groups:
+        if r["error_code"] is not None:
+            errors[r["error_code"]] = errors.get(r["error_code"], 0) + int(r["n"])
+    valid = {r["model"]: r for r in groups if r["error_code"] is None}
+    totals = {key: sum(int(r[key] or 0) for r in valid.values()) for key in ("n", "prompt", "est")}
     slots = task_slots(spark, cfg.num_task_slots, cfg.tensor_parallel_size)
-    partitions = num_partitions(int(totals["est"] or 0), cfg.target_tokens_per_partition, slots) \
-        if totals["requests"] else 0
+    partitions = waves = 0
+    for model in models:  # each model is planned and run on its own (waves.infer_models)
+        row = valid.get(model.served_model_name)
+        if row is not None:
+            parts = num_partitions(int(row["est"] or 0), model.target_tokens_per_partition,
+                                   task_slots(spark, model.num_task_slots, model.tensor_parallel_size))
+            partitions += parts
+            waves += math.ceil(parts / (model.wave_partitions or 2 * slots))
+    totals["requests"] = totals["n"]
     return BatchPlan(lines=int(totals["requests"]) + sum(errors.values()), requests=int(totals["requests"]),
                      errors_by_code=errors, prompt_tokens=int(totals["prompt"] or 0),
                      max_output_tokens=int(totals["est"] or 0) - int(totals["prompt"] or 0), partitions=partitions,
-                     task_slots=slots,
-                     waves=math.ceil(partitions / (cfg.wave_partitions or 2 * slots)),
+                     task_slots=slots, waves=waves,
                      tokens_per_second=tokens_per_second, tokens_per_second_source=source if tokens_per_second else "")

@@ -8,6 +8,7 @@ per-line ids the result tables are keyed by. Rows that fail anywhere carry ``err
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -20,11 +21,13 @@ from .tokens import TokenContext, count_batches
 from .validate import ValidationContext, validate_batches
 
 
-def prepare(spark: SparkSession, cfg: BatchConfig) -> DataFrame:
-    """Every non-blank input line as one row: a request with its prompt token ids, or an error. ``cfg`` is
-    resolved (:meth:`~spark_llm.config.BatchConfig.resolved`): the ids depend on its batch_id."""
-    vctx = config_view(ValidationContext, cfg)
-    tctx = config_view(TokenContext, cfg)
+def prepare(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
+    """Every non-blank input line as one row: a request with its prompt token ids and the model it runs on, or an
+    error. ``models``: the batch's models as resolved configs, the main one first
+    (:func:`~spark_llm.engine.resolve_models`); the ids depend on their batch_id."""
+    cfg = models[0]
+    vctx = ValidationContext.of_models(models)
+    tctx = {m.served_model_name: config_view(TokenContext, m) for m in models}
     lines = read_input(spark, cfg)
     validated = lines.mapInPandas(lambda it: validate_batches(it, vctx), VALIDATED_SCHEMA)
     deduped = mark_duplicates(validated)

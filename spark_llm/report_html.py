@@ -82,6 +82,26 @@ def _plots(histogram: list[tuple[int, int]], plan: dict, metrics: list[dict]) ->
     return out
 
 
+MODEL_COLUMNS = ("model", "partitions", "requests", "prompt tokens", "completion tokens", "engine seconds",
+                 "tokens/s per engine", "engine loads")
+
+
+def _model_rows(metrics: list[dict]) -> list[tuple]:
+    """One row per model of the batch (in the order they ran), from the partitions' metrics records."""
+    groups: dict[str, list[dict]] = {}
+    for m in sorted(metrics, key=lambda m: m["started_at"]):
+        groups.setdefault(m.get("model") or "-", []).append(m)
+    rows = []
+    for model, recs in groups.items():
+        prompt = sum(int(r["prompt_tokens"] or 0) for r in recs)
+        completion = sum(int(r["completion_tokens"] or 0) for r in recs)
+        engine_s = sum(float(r["engine_seconds"] or 0) for r in recs)
+        rows.append((model, len(recs), sum(int(r["rows"]) for r in recs), prompt, completion, round(engine_s, 1),
+                     round((prompt + completion) / engine_s) if engine_s else "-",
+                     sum(1 for r in recs if r["engine_load_seconds"] > 0)))
+    return rows
+
+
 def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], errors_by_code: dict[str, int],
            wall_seconds: float) -> str:
     """The report as one HTML string, from the batch object (as a dict), one metrics record per partition, the
@@ -112,6 +132,11 @@ def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], e
     errors = "".join(f"<tr><td>{html.escape(c)}</td><td>{n}</td></tr>"
                      for c, n in sorted(errors_by_code.items(), key=lambda kv: -kv[1])) or \
         "<tr><td colspan=2>no errors</td></tr>"
+    by_model = _model_rows(metrics)
+    models = "" if len(by_model) < 2 else (
+        "<h2>Models</h2><table><tr>" + "".join(f"<th>{h}</th>" for h in MODEL_COLUMNS) + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in by_model)
+        + "</table>")
     plots = "".join(f'<h2>{html.escape(name.capitalize())}</h2><img alt="{html.escape(name)}" '
                     f'src="data:image/png;base64,{data}">' for name, data in _plots(histogram, plan, metrics).items())
     created = datetime.fromtimestamp(batch["created_at"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -122,7 +147,7 @@ table{{border-collapse:collapse;margin-bottom:1em}}th,td{{border:1px solid #ccc;
 th{{background:#f4f4f4}}img{{max-width:100%}}</style></head><body>
 <h1>Batch {html.escape(batch['id'])}</h1><p>Started {created}.</p>
 <h2>Summary</h2><table>{summary}</table>
-<h2>Errors by code</h2><table><tr><th>code</th><th>count</th></tr>{errors}</table>
+{models}<h2>Errors by code</h2><table><tr><th>code</th><th>count</th></tr>{errors}</table>
 {plots}
 <script type="application/json" id="batch">{html.escape(json.dumps(batch))}</script>
 </body></html>

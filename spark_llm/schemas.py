@@ -19,6 +19,7 @@ def _struct(*fields: tuple[str, T.DataType, bool]) -> T.StructType:
 #: validate.validate_batches output: one row per non-blank input line, a request or an error.
 VALIDATED_SCHEMA = _struct(
     ("file", S, False), ("line_number", L, False), ("custom_id", S, True), ("url", S, True), ("kind", S, True),
+    ("model", S, True),  # the served name of the model the request runs on (an adapter's base model)
     ("request", S, True), ("prompt_json", S, True), ("sampling_json", S, True), ("options_json", S, True),
     ("max_tokens", L, True),
     ("error_code", S, True), ("error_message", S, True), ("raw_line", S, True),
@@ -103,7 +104,8 @@ METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "run_id": (S, "Run of the batch (a --resume run is a new run) that inferred the partition"),
     "task_slots": (L, "Inference task slots (engines) the run planned for; busy_fraction's denominator"),
     "wave": (L, "Wave (Delta commit) number, from 1"),
-    "partition": (L, "Planned partition index"),
+    "partition": (L, "Planned partition index (numbered across the run's models)"),
+    "model": (S, "Served name of the model the partition ran on (a batch may have several: see models)"),
     "worker_pid": (L, "Python worker process that ran the partition"),
     "engine_slot": (S, "Engine slot that answered: gpu-<addresses> (the task's GPUs), or cpu-<executor pid>-<n>"),
     "engine_pid": (L, "Engine process that answered (one per slot for the executor's life)"),

@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from .endpoints import BY_KIND
 from .endpoints.common import check_token_ids
@@ -99,9 +99,9 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
     return out
 
 
-def count_batches(batches: Iterator, ctx: TokenContext) -> Iterator:
-    """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens and notes; error rows pass through."""
-    tokenizer = None
+def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, TokenContext]) -> Iterator:
+    """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens and notes; error rows pass through.
+    ``contexts``: one context, or one per served model name (each row is counted for its ``model``)."""
     for pdf in batches:
         ids_col, n_col, notes_col = [], [], []
         pdf = pdf.copy()
@@ -111,8 +111,8 @@ def count_batches(batches: Iterator, ctx: TokenContext) -> Iterator:
                 n_col.append(None)
                 notes_col.append(None)
                 continue
-            if tokenizer is None:
-                tokenizer = get_tokenizer(ctx.tokenizer)
+            ctx = contexts if isinstance(contexts, TokenContext) else contexts[pdf["model"].iat[i]]
+            tokenizer = get_tokenizer(ctx.tokenizer)
             try:
                 res = count_row(tokenizer, pdf["kind"].iat[i], pdf["prompt_json"].iat[i],
                                 pdf["sampling_json"].iat[i], ctx)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Optional, Sequence
 
 from .endpoints import ENDPOINTS, SERVED_BY
 from .endpoints.common import json_type as _json_type
@@ -38,6 +38,29 @@ class ValidationContext:
     tool_call_parser: Optional[str]
     runner: str   #: resolved: generate or pooling
     lora_modules: dict[str, str]
+    #: the batch's other models (their own contexts): a request naming one of them runs there
+    others: tuple["ValidationContext", ...] = field(default=(), metadata={"derived": True})
+
+    @classmethod
+    def of_models(cls, models: Sequence[Any]) -> "ValidationContext":
+        """The context of a batch's models (resolved configs, the main model first)."""
+        from .config import config_view
+
+        first, *rest = [config_view(cls, m) for m in models]
+        return replace(first, others=tuple(rest))
+
+    def route(self, model: str) -> tuple["ValidationContext", Optional[str]]:
+        """The context of the model ``model`` names and the LoRA adapter it names (None: the base model)."""
+        for ctx in (self, *self.others):
+            if model == ctx.served_model_name:
+                return ctx, None
+            if model in ctx.lora_modules:
+                return ctx, model
+        raise KeyError(model)
+
+    def names(self) -> list[str]:
+        """Every name body.model may give: each model's served name, then its adapters."""
+        return [n for ctx in (self, *self.others) for n in (ctx.served_model_name, *sorted(ctx.lora_modules))]
 
 
 def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: ValidationContext,
@@ -77,7 +100,7 @@ def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: Val
         row["raw_line"] = None
     except RequestError as err:
         row["error_code"], row["error_message"] = err.code.value, err.message
-        for key in ("url", "kind", "request", "prompt_json", "sampling_json", "options_json", "max_tokens"):
+        for key in ("url", "kind", "model", "request", "prompt_json", "sampling_json", "options_json", "max_tokens"):
             row[key] = None
         if err.code.value in LINE_LEVEL_CODES:  # the line's custom_id, whenever it shows one, for attribution
             row["custom_id"] = recover_custom_id(data[:_RECOVERY_BYTES] if size > ctx.max_line_bytes else data)
@@ -165,17 +188,21 @@ def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
         got = "missing" if "body" not in obj else _json_type(obj["body"])
         raise RequestError(ErrorCode.INVALID_REQUEST, f"body must be a JSON object, got {got}")
     body = obj["body"]
-    adapter = _check_model(body, ctx)
+    routes = ctx
+    ctx, adapter = _check_model(body, routes)
     if url not in SERVED_BY[ctx.runner]:
         kind = "an embedding model (runner pooling)" if ctx.runner == "pooling" else "a text generation model"
+        serving = [c.served_model_name for c in (routes, *routes.others) if url in SERVED_BY[c.runner]]
+        where = (f"set body.model to {' or '.join(map(repr, serving))}" if serving else
+                 f"send {url} lines to a batch with a model for them")
         raise RequestError(ErrorCode.UNSUPPORTED_ENDPOINT,
                            f"{ctx.served_model_name!r} is {kind}, which serves {', '.join(SERVED_BY[ctx.runner])}; "
-                           f"send {url} lines to a batch with a model for them")
+                           f"{where}")
     endpoint = ENDPOINTS[url]
     checked = endpoint.check(body, ctx)
     if adapter is not None:  # the engine runs the base model with this LoRA adapter; the response names it
         checked.options["adapter"] = adapter
-    row.update(url=url, kind=endpoint.KIND, prompt_json=_dumps(checked.prompt),
+    row.update(url=url, kind=endpoint.KIND, model=ctx.served_model_name, prompt_json=_dumps(checked.prompt),
                sampling_json=_dumps(checked.sampling), options_json=_dumps(checked.options),
                max_tokens=checked.sampling["max_tokens"])
 
@@ -184,22 +211,22 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def _check_model(body: dict, ctx: ValidationContext) -> Optional[str]:
-    """The LoRA adapter the request names, None for the base model; a model this job does not serve is an
-    error."""
+def _check_model(body: dict, ctx: ValidationContext) -> tuple[ValidationContext, Optional[str]]:
+    """The context of the model the request names and its LoRA adapter (None for a base model); a model this job
+    does not serve is an error."""
     if "model" not in body or body["model"] is None:
         raise RequestError(ErrorCode.INVALID_REQUEST, "body.model is required")
     model = body["model"]
     if not isinstance(model, str):
         raise RequestError(ErrorCode.INVALID_REQUEST, f"body.model must be a string, got {_json_type(model)}")
-    if model in ctx.lora_modules and model != ctx.served_model_name:
-        return model
-    if model != ctx.served_model_name:
-        adapters = f" or an adapter: {', '.join(repr(n) for n in sorted(ctx.lora_modules))}" if ctx.lora_modules else ""
+    try:
+        return ctx.route(model)
+    except KeyError:
+        names = ctx.names()
+        served = (f"use {names[0]!r}" if len(names) == 1 else
+                  f"use one of {', '.join(repr(n) for n in names[:20])}" + (" ..." if len(names) > 20 else ""))
         raise RequestError(ErrorCode.MODEL_NOT_FOUND,
-                           f"model {truncate(model, 200)!r} is not served by this job; use "
-                           f"{ctx.served_model_name!r}{adapters}")
-    return None
+                           f"model {truncate(model, 200)!r} is not served by this job; {served}") from None
 
 
 # ---- Spark glue ----------------------------------------------------------------------------------------------

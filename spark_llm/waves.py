@@ -51,9 +51,11 @@ class Wave:
         return f"{self.number}/{self.of}"
 
 
-def waves_of(num_partitions: int, per_wave: int) -> list[Wave]:
+def waves_of(num_partitions: int, per_wave: int, before: int = 0) -> list[Wave]:
+    """The waves over ``num_partitions`` planned partitions, numbered after the ``before`` waves of the run."""
     starts = range(0, num_partitions, per_wave)
-    return [Wave(n, len(starts), first, min(per_wave, num_partitions - first)) for n, first in enumerate(starts, 1)]
+    return [Wave(before + n, before + len(starts), first, min(per_wave, num_partitions - first))
+            for n, first in enumerate(starts, 1)]
 
 
 #: Waves whose inference runs at once: while the last tasks of one wave run, free task slots start the next wave's,
@@ -103,7 +105,7 @@ class EngineWarmup(SparkJobInBackground):
         run = self.run
         run.describe("load the engines")
         slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
-        ictx = _infer_context(run)
+        ictx = _infer_context(run, Numbering())
         started = (run.spark.range(0, slots, 1, numPartitions=slots)
                    .mapInPandas(lambda it: warm_partition(it, ictx), "slot string, started boolean",
                                 profile=run.gpu_profile).collect())  # one small row per engine slot
@@ -116,14 +118,62 @@ class EngineWarmup(SparkJobInBackground):
             self.thread.join()
 
 
-def _infer_context(run: RunContext) -> InferContext:
+def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
     return InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
                         batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics,
-                        journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id)
+                        journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
+                        partition_offset=numbering.partitions)
 
 
-def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None) -> dict:
-    """Infer every valid request (rows with ``est_tokens``) and commit the results; returns the partition plan.
+@dataclass(frozen=True)
+class Numbering:
+    """Waves and partitions the run numbered before this model's (a batch of several models numbers them across
+    all its models, so that the metrics table and the journals tell every partition of a run apart)."""
+
+    waves: int = 0
+    partitions: int = 0
+
+
+def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None) -> dict:
+    """Infer every valid request model by model (all partitions of one model, then the next: each engine slot
+    loads each model once) and return the partition plan (with one plan per model under ``models`` when the batch
+    has several)."""
+    if len(run.models) == 1:
+        return infer_in_waves(run, valid, warmup)
+    counts = {r["model"]: int(r["count"]) for r in valid.groupBy("model").count().collect()}  # a row per model
+    plans: dict[str, dict] = {}
+    numbering = Numbering()
+    for cfg in run.models:
+        name = cfg.served_model_name or ""
+        if not counts.get(name):
+            continue
+        if warmup is not None and cfg is not run.models[0]:
+            warmup.close()  # it loads the main model, which has nothing to do
+        log.info("batch %s: model %s: %d requests", run.batch_id, name, counts[name])
+        plan = infer_in_waves(run.for_model(cfg), valid.where(F.col("model") == name),
+                              warmup if cfg is run.models[0] else None, numbering)
+        plans[name] = plan
+        numbering = Numbering(numbering.waves + plan["waves"], numbering.partitions + plan["num_partitions"])
+    return merged_plan(plans)
+
+
+def merged_plan(plans: dict[str, dict]) -> dict:
+    """The plans of several models as one (partitions in the order they ran), each model's under ``models``."""
+    tokens = [t for p in plans.values() for t in p["tokens_per_partition"]]
+    mean = sum(tokens) / len(tokens) if tokens else 0
+    return {"num_partitions": len(tokens), "task_slots": max(p["task_slots"] for p in plans.values()),
+            "total_estimated_tokens": sum(p["total_estimated_tokens"] for p in plans.values()),
+            "target_tokens_per_partition": next(iter(plans.values()))["target_tokens_per_partition"],
+            "tokens_per_partition": tokens,
+            "requests_per_partition": [r for p in plans.values() for r in p["requests_per_partition"]],
+            "balance_ratio": round(max(tokens) / mean, 4) if mean else 1.0,
+            "waves": sum(p["waves"] for p in plans.values()), "models": plans}
+
+
+def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None,
+                   numbering: Numbering = Numbering()) -> dict:
+    """Infer every valid request (rows with ``est_tokens``) of one model (``run.cfg``) and commit the results;
+    returns the partition plan.
 
     Waves are pipelined: wave k+1 is submitted (a Spark job of its own, from a driver thread) while wave k still
     runs, so no engine waits for the slowest partition of a wave, and wave k is committed while the next waves
@@ -134,8 +184,8 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     run.describe("plan partitions")
     assigned, plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots,
                                      prefix_aware=run.cfg.prefix_aware_partitions)
-    ictx = _infer_context(run)
-    waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots)
+    ictx = _infer_context(run, numbering)
+    waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots, numbering.waves)
     current = {"wave": f"0/{len(waves)}"}
     total = sum(plan.requests_per_partition)
     committed: list[dict] = []  # partition records of the committed waves
@@ -160,7 +210,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         raise
     finally:
         plan.release()
-    return plan.as_dict()
+    return {**plan.as_dict(), "waves": len(waves)}
 
 
 class _WaveJob(SparkJobInBackground):

@@ -36,7 +36,7 @@ def prepare_destination(run: RunContext) -> None:
                 storage.delete_rows(spark, table, run.batch_id)
     storage.ensure_table(spark, paths.outputs_table, OUTPUTS_COLUMNS)
     storage.ensure_table(spark, paths.errors_table, ERRORS_COLUMNS)
-    if cfg.runner == "pooling":
+    if run.has_embeddings:
         storage.ensure_table(spark, paths.embeddings_table, EMBEDDINGS_COLUMNS)
 
 
@@ -105,7 +105,7 @@ def commit_results(run: RunContext, results: DataFrame, responses: int, errors: 
     a table that gets no rows."""
     if responses:
         storage.insert_new(output_rows(results, run), run.paths.outputs_table, OUTPUTS_COLUMNS, run.batch_id)
-        if run.cfg.runner == "pooling":
+        if run.cfg.runner == "pooling":  # the model this wave ran on
             storage.insert_new(embedding_rows(results, run), run.paths.embeddings_table, EMBEDDINGS_COLUMNS,
                                run.batch_id)
     if errors:

@@ -139,3 +139,36 @@ def test_require_ready_names_what_is_missing():
     with pytest.raises(ConfigError, match="missing required setting.*output_dir"):
         BatchConfig(model="/m", input_table="db.requests").require_ready()
     BatchConfig(model="/m", output_dir="/out", input_table="db.requests").require_ready()
+
+
+def test_more_models_come_from_yaml_or_extra_model_flags_and_inherit_the_batch_settings(tmp_path):
+    conf = tmp_path / "models.yaml"
+    conf.write_text("model: /m/llama\nmax_model_len: 512\nkv_cache_memory_bytes: 1000000\ntool_call_parser: hermes\n"
+                    "lora_modules: {fin: /m/fin-lora}\n"
+                    "models:\n  - {name: e5, path: /m/e5, kind: embed, max_model_len: 128}\n")
+    first, e5 = BatchConfig.load(conf, env={}).per_model()
+    assert (first.model, first.served_model_name, first.models, first.lora_modules) == \
+        ("/m/llama", "llama", [], {"fin": "/m/fin-lora"})
+    assert (e5.model, e5.served_model_name, e5.runner, e5.max_model_len) == ("/m/e5", "e5", "pooling", 128)
+    assert e5.kv_cache_memory_bytes == 1000000                         # inherited from the top level
+    assert (e5.lora_modules, e5.tool_call_parser, e5.tokenizer) == ({}, None, None)  # the main model's own
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(["--model", "/m/llama", "--extra-model", "bge=/m/bge", "--extra-model",
+                              '{"name": "qwen", "path": "/m/qwen", "kind": "generate", "dtype": "float16"}'])
+    cfg = BatchConfig.load(None, env={}, **{k: getattr(args, k) for k in BatchConfig.model_fields})
+    assert [(c.served_model_name, c.runner, c.dtype) for c in cfg.per_model()] == \
+        [("llama", "auto", "auto"), ("bge", "auto", "auto"), ("qwen", "generate", "float16")]
+
+
+@pytest.mark.parametrize("models, message", [
+    ([{"name": "llama", "path": "/m/other"}], "'llama' are given to more than one"),
+    ([{"name": "a", "path": "/a", "lora_modules": {"fin": "/x"}}, {"name": "fin", "path": "/b"}], "'fin'"),
+    ([{"name": "a", "path": "/a", "max_num_seqs": 8, "output_dir": "/o"}], "output_dir, which are not engine"),
+    ([{"name": "a", "path": "/a", "max_model_len": "long"}], "max_model_len"),
+    ([{"name": "", "path": "/a"}], "must not be empty"),
+])
+def test_a_model_list_that_cannot_route_every_name_is_refused(models, message):
+    with pytest.raises(ConfigError, match=message):
+        BatchConfig.load(None, env={}, model="/m/llama", models=models).per_model()

@@ -24,7 +24,7 @@ from spark_llm.schemas import OUTPUTS_COLUMNS
 def prepared(spark, tiny_model, **settings) -> dict:
     """The prepare stage's rows for a table input, by (custom_id, line_number)."""
     cfg = BatchConfig(output_dir="/unused", batch_id="tbl", **engine_settings(tiny_model), **settings)
-    rows = prepare(spark, cfg.resolved(max_model_len=cfg.max_model_len)).collect()
+    rows = prepare(spark, [cfg.resolved(max_model_len=cfg.max_model_len)]).collect()
     return {(r["custom_id"], r["line_number"]): r for r in rows}
 
 

@@ -287,3 +287,33 @@ def test_error_rows_keep_custom_id_and_a_bounded_raw_line():
     assert row["error_code"] == "model_not_found" and row["custom_id"] == "a"
     assert "tiny-llm" in row["error_message"] and "gpt-4o" in row["error_message"]
     assert len(row["raw_line"]) == CTX.max_raw_line_chars and row["raw_line"].endswith("…")
+
+
+def test_requests_are_routed_to_the_model_or_adapter_they_name():
+    from spark_llm.config import BatchConfig
+
+    cfg = BatchConfig(model="/m/tiny-llm", lora_modules={"fin": "/m/fin"},
+                      models=[{"name": "e5", "path": "/m/e5", "kind": "embed", "max_model_len": 512}])
+    # no model directories here: resolved as engine.resolve_models would, with the runners the kinds say
+    models = [c.resolved(max_model_len=2048, runner="generate") for c in cfg.resolved(2048).per_model()]
+    ctx = ValidationContext.of_models(models)
+    assert ctx.names() == ["tiny-llm", "fin", "e5"]
+
+    def line(model, url="/v1/chat/completions"):
+        body = {"model": model, **({"input": "x"} if "embeddings" in url else
+                                   {"messages": [{"role": "user", "content": "hi"}]})}
+        return json.dumps({"custom_id": "c", "method": "POST", "url": url, "body": body})
+
+    assert validate_line(line("tiny-llm"), "f", 1, ctx)["model"] == "tiny-llm"
+    row = validate_line(line("fin"), "f", 1, ctx)
+    assert row["model"] == "tiny-llm" and json.loads(row["options_json"])["adapter"] == "fin"
+    row = validate_line(line("e5", "/v1/embeddings"), "f", 1, ctx)
+    assert (row["error_code"], row["model"], row["kind"]) == (None, "e5", "embedding")
+    chat_on_e5 = validate_line(line("e5"), "f", 1, ctx)
+    assert chat_on_e5["error_code"] == "unsupported_endpoint" and "set body.model to 'tiny-llm'" in \
+        chat_on_e5["error_message"]
+    embed_on_llm = validate_line(line("fin", "/v1/embeddings"), "f", 1, ctx)
+    assert embed_on_llm["error_code"] == "unsupported_endpoint" and "'e5'" in embed_on_llm["error_message"]
+    unknown = validate_line(line("gpt-4o"), "f", 1, ctx)
+    assert unknown["error_code"] == "model_not_found" and unknown["model"] is None
+    assert "one of 'tiny-llm', 'fin', 'e5'" in unknown["error_message"]
