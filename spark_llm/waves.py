@@ -186,12 +186,15 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
                                      prefix_aware=run.cfg.prefix_aware_partitions)
     ictx = _infer_context(run, numbering)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots, numbering.waves)
-    current = {"wave": f"0/{len(waves)}"}
+    current = {"wave": f"{numbering.waves}/{waves[-1].of}"}
     total = sum(plan.requests_per_partition)
     committed: list[dict] = []  # partition records of the committed waves
     # live from the tasks where the session has accumulators, else as the waves commit (Spark Connect)
-    records = lambda: run.metrics.value if run.metrics is not None else committed  # noqa: E731
-    line = lambda: progress_line(run.batch_id, records(), total, run.started, current["wave"])  # noqa: E731
+    model = run.cfg.served_model_name
+    label = run.batch_id if len(run.models) < 2 else f"{run.batch_id} ({model})"  # several models: one line each
+    records = lambda: [r for r in (run.metrics.value if run.metrics is not None else committed)  # noqa: E731
+                       if r.get("model", model) == model]
+    line = lambda: progress_line(label, records(), total, run.started, current["wave"])  # noqa: E731
     in_flight: deque[_WaveJob] = deque()
     try:
         with ProgressReporter(line, run.cfg.progress_interval_seconds):

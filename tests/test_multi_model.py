@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ADAPTER, MODEL_NAME, chat_line, engine_settings, write_jsonl
+from conftest import ADAPTER, MODEL_NAME, capture_logs, chat_line, engine_settings, write_jsonl
 
 pytestmark = pytest.mark.engine
 
@@ -42,15 +42,18 @@ def mixed(spark, tiny_model, embedding_model, tmp_path_factory):
     cfg = BatchConfig(input=str(root / "in.jsonl"), output_dir=str(root / "out"), batch_id="b-multi",
                       models=[{"name": EMBED, "path": embedding_model, "max_model_len": 512}],
                       **engine_settings(tiny_model))
-    return run_batch(spark, cfg)
+    with capture_logs() as messages:
+        result = run_batch(spark, cfg)
+    return result, messages
 
 
 def test_every_line_once_with_the_model_it_named(spark, mixed):
+    result, _ = mixed
     from openai.types import CreateEmbeddingResponse
     from openai.types.chat import ChatCompletion
 
-    outputs = spark.read.format("delta").load(mixed.outputs_table).collect()
-    errors = spark.read.format("delta").load(mixed.errors_table).collect()
+    outputs = spark.read.format("delta").load(result.outputs_table).collect()
+    errors = spark.read.format("delta").load(result.errors_table).collect()
     got = {**{r["custom_id"]: json.loads(r["response_body"])["model"] for r in outputs},
            **{r["custom_id"]: r["code"] for r in errors}}
     assert len(outputs) + len(errors) == len(got) == len(LINES)
@@ -67,14 +70,16 @@ def test_every_line_once_with_the_model_it_named(spark, mixed):
 
 
 def test_errors_say_which_model_serves_the_request(spark, mixed):
-    errors = {r["custom_id"]: r["message"] for r in spark.read.format("delta").load(mixed.errors_table).collect()}
+    result, _ = mixed
+    errors = {r["custom_id"]: r["message"] for r in spark.read.format("delta").load(result.errors_table).collect()}
     assert f"set body.model to {MODEL_NAME!r}" in errors["chat-on-embed"]
     assert f"set body.model to {EMBED!r}" in errors["embed-on-llm"]
     assert f"one of {MODEL_NAME!r}, {ADAPTER!r}, {EMBED!r}" in errors["no-such-model"]
 
 
 def test_models_run_one_after_the_other_and_the_metrics_say_which(spark, mixed):
-    metrics = spark.read.format("delta").load(mixed.batch.metadata["metrics_table"]).orderBy("started_at").collect()
+    result, logs = mixed
+    metrics = spark.read.format("delta").load(result.batch.metadata["metrics_table"]).orderBy("started_at").collect()
     order = [r["model"] for r in metrics]
     assert set(order) == {MODEL_NAME, EMBED}
     assert order == sorted(order, key=[MODEL_NAME, EMBED].index)  # every partition of one model, then the next
@@ -86,10 +91,14 @@ def test_models_run_one_after_the_other_and_the_metrics_say_which(spark, mixed):
     # each engine slot loaded each model once
     loads = [(r["engine_slot"], r["model"]) for r in metrics if r["engine_load_seconds"] > 0]
     assert len(loads) == len(set(loads))
+    # the progress line follows each model's own requests
+    last = {m: [x for x in logs if x.startswith(f"progress b-multi ({m})")][-1] for m in (MODEL_NAME, EMBED)}
+    assert "requests 10/10 (100.0%)" in last[MODEL_NAME] and "requests 6/6 (100.0%)" in last[EMBED]
 
 
 def test_batch_json_and_the_report_name_every_model(mixed):
-    batch = mixed.batch
+    result, _ = mixed
+    batch = result.batch
     assert batch.model == f"{MODEL_NAME},{EMBED}"
     plan = batch.partition_plan
     assert set(plan["models"]) == {MODEL_NAME, EMBED}
