@@ -25,32 +25,31 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _name_value(action: argparse.Action, value: str) -> dict | tuple[str, str]:
+    """A flag's ``NAME=VALUE`` as a pair, or its JSON object as a dict."""
+    if value.lstrip().startswith("{"):
+        return _json_object(value)
+    name, sep, target = value.partition("=")
+    if not (sep and name and target):
+        raise argparse.ArgumentError(action, f"expected {action.metavar} (or a JSON object), got {value!r}")
+    return name, target
+
+
 class _Mapping(argparse.Action):
     """``NAME=VALUE``, repeatable (as ``vllm serve --lora-modules``), or a JSON object; merged into one dict."""
 
     def __call__(self, parser: Any, namespace: Any, value: Any, option_string: Any = None) -> None:
-        current = dict(getattr(namespace, self.dest) or {})
-        if value.lstrip().startswith("{"):
-            current.update(_json_object(value))
-        else:
-            name, sep, target = value.partition("=")
-            if not (sep and name and target):
-                raise argparse.ArgumentError(self, f"expected NAME=VALUE (or a JSON object), got {value!r}")
-            current[name] = target
-        setattr(namespace, self.dest, current)
+        given = _name_value(self, value)
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}),
+                                       **(given if isinstance(given, dict) else dict([given]))})
 
 
 class _ModelEntries(argparse.Action):
     """``NAME=PATH``, repeatable, or a JSON object ``{name, path, kind, <engine settings>}``: one more model each."""
 
     def __call__(self, parser: Any, namespace: Any, value: Any, option_string: Any = None) -> None:
-        if value.lstrip().startswith("{"):
-            entry = _json_object(value)
-        else:
-            name, sep, path = value.partition("=")
-            if not (sep and name and path):
-                raise argparse.ArgumentError(self, f"expected NAME=PATH (or a JSON object), got {value!r}")
-            entry = {"name": name, "path": path}
+        given = _name_value(self, value)
+        entry = given if isinstance(given, dict) else {"name": given[0], "path": given[1]}
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), entry])
 
 

@@ -9,7 +9,6 @@ engine time from a tokens/s figure: given, or measured by earlier runs (their me
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -83,18 +82,14 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
     for model in models:
         check_adapters(model.lora_modules, model.max_lora_rank)
     source = "given"
-    with ThreadPoolExecutor(max_workers=1) as background:
-        measured = None
-        if tokens_per_second is None and cfg.output_dir:  # read while the batch is counted (a cold read takes seconds)
-            measured = background.submit(measured_tokens_per_second, spark, RunPaths.from_config(cfg).metrics_table)
-            source = "measured by earlier runs"
-        # one aggregate over the prepared rows: per model and error code (null: the valid requests) the rows and
-        # their tokens
-        groups = (estimate_cost(prepare(spark, models)).groupBy("model", "error_code")
-                  .agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("prompt"),
-                       F.sum("est_tokens").alias("est")).collect())  # a row per model and error code: metadata
-        if measured is not None:
-            tokens_per_second = measured.result()
+    if tokens_per_second is None and cfg.output_dir:
+        tokens_per_second = measured_tokens_per_second(spark, RunPaths.from_config(cfg).metrics_table)
+        source = "measured by earlier runs"
+    # one aggregate over the prepared rows: per model and error code (null: the valid requests) the rows and their
+    # tokens
+    groups = (estimate_cost(prepare(spark, models)).groupBy("model", "error_code")
+              .agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("prompt"),
+                   F.sum("est_tokens").alias("est")).collect())  # a row per model and error code: metadata
     errors: dict[str, int] = {}
     for r in groups:
         if r["error_code"] is not None:
@@ -106,10 +101,10 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
     for model in models:  # each model is planned and run on its own (waves.infer_models)
         row = valid.get(model.served_model_name)
         if row is not None:
-            parts = num_partitions(int(row["est"] or 0), model.target_tokens_per_partition,
-                                   task_slots(spark, model.num_task_slots, model.tensor_parallel_size))
+            model_slots = task_slots(spark, model.num_task_slots, model.tensor_parallel_size)
+            parts = num_partitions(int(row["est"] or 0), model.target_tokens_per_partition, model_slots)
             partitions += parts
-            waves += math.ceil(parts / (model.wave_partitions or 2 * slots))
+            waves += math.ceil(parts / (model.wave_partitions or 2 * model_slots))
     totals["requests"] = totals["n"]
     return BatchPlan(lines=int(totals["requests"]) + sum(errors.values()), requests=int(totals["requests"]),
                      errors_by_code=errors, prompt_tokens=int(totals["prompt"] or 0),

@@ -28,8 +28,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .storage import python_filesystem
-
 log = logging.getLogger(__name__)
 
 #: After a death, its requests run again in this many smaller calls (so a poison request in a partition of ``n``
@@ -128,6 +126,8 @@ class Journal:
         afresh), with a warning."""
         if not base:
             return None
+        from .storage import python_filesystem
+
         try:
             filesystem, root = python_filesystem(f"{base.rstrip('/')}/p{partition}")
             filesystem.create_dir(root, recursive=True)

@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 from pyspark.sql import SparkSession
 
 from .engine import apply_worker_env
+from .quarantine import RECOMMENDED_TASK_ATTEMPTS
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,8 @@ LOCAL_DEFAULTS = {
 #: not).
 LOCAL_ENV = {"PYSPARK_PYTHON": sys.executable, "VLLM_CPU_KVCACHE_SPACE": "1"}
 #: Attempts of a task in a local session (``local[N,F]``): enough for a poison request to be isolated and set
-#: aside (spark_llm.quarantine), as ``spark.task.maxFailures`` on a cluster.
-LOCAL_TASK_ATTEMPTS = 8
+#: aside, as ``spark.task.maxFailures`` on a cluster.
+LOCAL_TASK_ATTEMPTS = RECOMMENDED_TASK_ATTEMPTS
 DELTA_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",

@@ -102,6 +102,7 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
 def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, TokenContext]) -> Iterator:
     """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens and notes; error rows pass through.
     ``contexts``: one context, or one per served model name (each row is counted for its ``model``)."""
+    tokenizers: dict[str, Any] = {}
     for pdf in batches:
         ids_col, n_col, notes_col = [], [], []
         pdf = pdf.copy()
@@ -112,7 +113,9 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
                 notes_col.append(None)
                 continue
             ctx = contexts if isinstance(contexts, TokenContext) else contexts[pdf["model"].iat[i]]
-            tokenizer = get_tokenizer(ctx.tokenizer)
+            tokenizer = tokenizers.get(ctx.tokenizer)
+            if tokenizer is None:
+                tokenizer = tokenizers[ctx.tokenizer] = get_tokenizer(ctx.tokenizer)
             try:
                 res = count_row(tokenizer, pdf["kind"].iat[i], pdf["prompt_json"].iat[i],
                                 pdf["sampling_json"].iat[i], ctx)
