@@ -52,8 +52,11 @@ class EngineSpec:
 
     @property
     def key(self) -> str:
-        """Id of the settings: workers reuse a cached engine while it matches."""
-        blob = json.dumps(self.settings, sort_keys=True, default=str)
+        """Id of the settings (and of the engine service's protocol): tasks reuse a running engine while it
+        matches."""
+        from .engine_service import PROTOCOL
+
+        blob = json.dumps({**self.settings, "protocol": PROTOCOL}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @property

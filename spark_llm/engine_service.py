@@ -32,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .errors import EngineStartError
 
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 
 ENGINE_DIR_ENV = "SPARK_LLM_ENGINE_DIR"
 _START_TIMEOUT_S = 1800.0   # an 8B model with CUDA graphs takes minutes; a 70B one longer
+#: Requests per message of a streamed call: the engine starts on the first chunk while the rest are on their way.
+STREAM_CHUNK = 256
+#: Version of what crosses the socket, part of every engine's key: a task never talks to an engine server of an
+#: older spark_llm that may still be running on the host.
+PROTOCOL = 2
 _STOP_TIMEOUT_S = 120.0
 
 
@@ -142,6 +148,11 @@ class Slot:
         devices = tuple(sorted(addresses, key=lambda a: (len(a), a)))
         return cls("gpu-" + ",".join(devices), devices)
 
+    @classmethod
+    def cpu(cls, n: int) -> "Slot":
+        """CPU slot ``n`` of this executor (executors sharing a host never share a CPU engine)."""
+        return cls(f"cpu-{executor_pid()}-{n}")
+
     def path(self, suffix: str) -> Path:
         return engine_dir() / f"{self.name}{suffix}"
 
@@ -157,8 +168,9 @@ def _try_lock(path: Path) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def hold_slot(gpus: Optional[Sequence[str]]) -> Iterator[Slot]:
-    """The slot of this task, held (file lock) until the block ends: its GPUs' slot, else a free ``cpu-N``."""
+def hold_slot(gpus: Optional[Sequence[str]], cpu_slots: Optional[int] = None) -> Iterator[Slot]:
+    """The slot of this task, held (file lock) until the block ends: its GPUs' slot, else a free ``cpu-N``, of the
+    first ``cpu_slots`` when given (the task waits for one to be free)."""
     if gpus:
         slot = Slot.for_gpus(gpus)
         fd = _try_lock(slot.path(".slot.lock"))
@@ -167,11 +179,14 @@ def hold_slot(gpus: Optional[Sequence[str]]) -> Iterator[Slot]:
                 f"GPU(s) {','.join(slot.devices)} of this host are in use by another Spark task; two executors on one "
                 f"host must not be given the same GPU addresses (check the discovery script and "
                 f"spark.worker.resource.gpu.* / the resource manager's GPU isolation)")
-    else:  # per executor: executors sharing a host never share a CPU engine
-        n, jvm = 0, executor_pid()
-        while (fd := _try_lock(Slot(f"cpu-{jvm}-{n}").path(".slot.lock"))) is None:
+    else:
+        n = 0
+        while (fd := _try_lock(Slot.cpu(n).path(".slot.lock"))) is None:
             n += 1
-        slot = Slot(f"cpu-{jvm}-{n}")
+            if cpu_slots and n >= cpu_slots:  # all taken: try again from the first
+                n = 0
+                time.sleep(0.05)
+        slot = Slot.cpu(n)
     try:
         yield slot
     finally:
@@ -184,7 +199,9 @@ def hold_slot(gpus: Optional[Sequence[str]]) -> Iterator[Slot]:
 class EngineClient:
     slot: Slot
     info: dict              #: the server's info: pid, key, devices, load_seconds
-    started_here: bool      #: this task started the server (and so waited for its load_seconds)
+    started_here: bool      #: this task started the server
+    #: seconds this task waited for the slot's engine to load (its own start, or one already under way)
+    waited_seconds: float = 0.0
     _conn: Any = field(repr=False, default=None)
     _spec: Any = field(repr=False, default=None)
     _process: Any = field(repr=False, default=None)
@@ -193,8 +210,8 @@ class EngineClient:
 
     @property
     def load_seconds(self) -> float:
-        first = float(self.info.get("load_seconds", 0.0)) if self.started_here else 0.0
-        return first + self.rebuild_seconds
+        """Seconds this task waited for engines to load: 0 when its slot's engine was ready."""
+        return self.waited_seconds + self.rebuild_seconds
 
     def rebuild(self) -> None:
         """Start the slot's engine again after it died (:class:`EngineDied`), in place: the task keeps its slot."""
@@ -208,20 +225,33 @@ class EngineClient:
     def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list[Output | RequestFailure]:
         """One result per (prompt token ids, SamplingParams keyword arguments, what to parse out of the answer:
         ``{"reasoning": bool, "tools": [...]}``), in order."""
-        return self._call("generate", requests)
+        results: list = [None] * len(requests)
+        self.stream(requests, results.__setitem__)
+        return results
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def stream(self, requests: list[tuple[list[int], dict, dict]],
+               on_result: Callable[[int, "Output | RequestFailure"], None]) -> None:
+        """:meth:`generate`, streamed: ``on_result(index, result)`` as each request finishes (in the order they
+        finish), while the engine goes on with the rest; the requests go over in chunks, the first of which the
+        engine starts on while the others are on their way."""
         try:
-            self._conn.send((op, *args))
-            status, value = self._conn.recv()
+            self._conn.send(("stream", len(requests)))
+            for start in range(0, len(requests), STREAM_CHUNK):
+                self._conn.send(("add", [(i, requests[i]) for i in range(start, min(start + STREAM_CHUNK,
+                                                                                       len(requests)))]))
+            while True:
+                status, value = self._conn.recv()
+                if status != "results":
+                    break
+                for index, result in value:
+                    on_result(index, result)
         except (EOFError, OSError) as exc:
             raise EngineDied(f"the engine process of slot {self.slot.name} (pid {self.info.get('pid')}) died "
                              f"during a call ({type(exc).__name__}); see {self.slot.path('.log')}") from None
         if status == "dead":
             raise EngineDied(f"engine of slot {self.slot.name}: {value}")
-        if status != "ok":
+        if status != "done":
             raise RuntimeError(f"engine of slot {self.slot.name}: {value}")
-        return value
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -258,14 +288,17 @@ def _connect(slot: Slot, info: dict) -> Any:
 
 @contextlib.contextmanager
 def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSettings,
-               run_id: str = "") -> Iterator[EngineClient]:
-    """The engine of this task's slot for ``spec`` (an :class:`~spark_llm.engine.EngineSpec`), started if needed
-    (stopping whatever else holds the slot's devices first); the slot is held until the block ends. An engine that
-    could not start for these settings on this executor during run ``run_id`` is not tried again in that run."""
+               run_id: str = "", cpu_slots: Optional[int] = None) -> Iterator[EngineClient]:
+    """The engine of this task's slot for ``spec`` (an :class:`~spark_llm.engine.EngineSpec`): the running one,
+    the one already starting (:func:`prestart`), or one started now (stopping whatever else holds the slot's
+    devices first); the slot is held until the block ends. Without GPUs, ``cpu_slots`` bounds the engines of the
+    executor (see :func:`hold_slot`). An engine that could not start for these settings on this executor during run
+    ``run_id`` is not tried again in that run."""
     failed = engine_dir() / f"start-failed-{executor_pid()}-{spec.key}-{run_id}.txt"
     if failed.exists():  # a retried task of the run: the same settings failed here already, do not load again
         raise EngineStartError(failed.read_text())
-    with hold_slot(gpus) as slot:
+    with hold_slot(gpus, cpu_slots) as slot:
+        t0 = time.monotonic()
         info = _read_info(slot)
         conn = None
         if info is not None and info.get("key") == spec.key:
@@ -273,34 +306,65 @@ def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSetting
                 conn = _connect(slot, info)
             except Exception:  # on its way out (its executor just ended): start a fresh one
                 conn = None
-        started = conn is None
-        if started:
-            stop_engines_on(slot)
+        started, waited = False, 0.0
+        if conn is None:
+            starting = _starting(slot)
             try:
-                info = _start_server(slot, spec, process)
+                if starting is not None and starting.get("key") == spec.key:
+                    info = _await_server(slot, int(starting["pid"]))
+                else:
+                    stop_engines_on(slot)
+                    info = _start_server(slot, spec, process)
+                    started = True
             except EngineStartError as exc:
                 failed.write_text(str(exc))
                 raise
             conn = _connect(slot, info)
-        client = EngineClient(slot, info, started, conn, spec, process)
+            waited = time.monotonic() - t0
+        client = EngineClient(slot, info, started, waited, conn, spec, process)
         try:
             yield client
         finally:
             client.close()
 
 
+def prestart(spec: Any, process: ProcessSettings, slot: Slot) -> bool:
+    """Start ``slot``'s engine for ``spec`` loading and return at once (the warm-up of local masters: engines load
+    while the driver prepares the batch); the first task that needs it waits for it in :func:`engine_for`. Nothing
+    is started when the engine runs or is starting already, or when a task holds the slot. Returns whether one was
+    started."""
+    fd = _try_lock(slot.path(".slot.lock"))
+    if fd is None:
+        return False
+    try:
+        info = _read_info(slot)
+        starting = _starting(slot)
+        if any(x is not None and x.get("key") == spec.key for x in (info, starting)):
+            return False
+        stop_engines_on(slot)
+        _spawn_server(slot, spec, process)
+        return True
+    finally:
+        os.close(fd)
+
+
 def stop_engines_on(slot: Slot) -> None:
-    """Stop every live server of this slot or of any slot sharing one of its devices, and wait until they are
-    gone (they release their device locks when their process ends)."""
-    for info_file in engine_dir().glob("*.json"):
-        info = _read_info(Slot(info_file.stem))
-        other = Slot(info_file.stem, tuple((info or {}).get("devices") or ()))
+    """Stop every live server of this slot or of any slot sharing one of its devices, ready or still starting, and
+    wait until they are gone (they release their device locks when their process ends)."""
+    for record in sorted(engine_dir().glob("*.json")) + sorted(engine_dir().glob("*.starting")):
+        name = record.name.rsplit(".", 1)[0]
+        info = _read_info(Slot(name)) if record.suffix == ".json" else _starting(Slot(name))
+        other = Slot(name, tuple((info or {}).get("devices") or ()))
         if info is None or not (other.name == slot.name or set(other.devices) & set(slot.devices)):
             continue
         log.info("stopping engine %s (pid %d) to free slot %s", other.name, info["pid"], slot.name)
-        with contextlib.suppress(Exception):
-            conn = _connect(other, info)
-            conn.send(("shutdown",))
+        if record.suffix == ".json":
+            with contextlib.suppress(Exception):
+                conn = _connect(other, info)
+                conn.send(("shutdown",))
+        else:  # not listening yet
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(info["pid"], signal.SIGTERM)
         deadline = time.monotonic() + _STOP_TIMEOUT_S
         while _alive(info["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -322,9 +386,17 @@ def executor_pid() -> int:
 
 
 def _start_server(slot: Slot, spec: Any, process: ProcessSettings) -> dict:
+    """Start the slot's engine server and wait until it is ready; its info."""
+    proc = _spawn_server(slot, spec, process)
+    return _await_server(slot, proc.pid, proc)
+
+
+def _spawn_server(slot: Slot, spec: Any, process: ProcessSettings) -> subprocess.Popen:
+    """Start the slot's engine server, recorded as starting (``<slot>.starting``: its pid, key and devices) until
+    it is ready (``<slot>.json``)."""
     from .engine import apply_worker_env
 
-    for suffix in (".json", ".error", ".sock"):
+    for suffix in (".json", ".error", ".sock", ".starting"):
         with contextlib.suppress(FileNotFoundError):
             slot.path(suffix).unlink()
     spec_file = slot.path(".spec")
@@ -341,21 +413,48 @@ def _start_server(slot: Slot, spec: Any, process: ProcessSettings) -> dict:
     with open(slot.path(".log"), "ab") as logf:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
+    _write_private(slot.path(".starting"), {"pid": proc.pid, "key": spec.key, "devices": list(slot.devices),
+                                            "started_at": time.time()})
+    return proc
+
+
+def _starting(slot: Slot) -> Optional[dict]:
+    """The slot's server that is starting (pid, key, devices), if its process is alive."""
+    try:
+        record = json.loads(slot.path(".starting").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if _alive(record.get("pid")) else None
+
+
+def _await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) -> dict:
+    """Wait until the slot's server ``pid`` is ready and return its info; its reason when it could not start."""
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         info = _read_info(slot)
-        if info is not None and info.get("pid") == proc.pid:
+        if info is not None and info.get("pid") == pid:
             return info
-        if proc.poll() is not None:
+        if (proc.poll() is not None) if proc is not None else not _alive(pid):
             try:
                 reason = slot.path(".error").read_text().strip()
             except OSError:
-                reason = f"the engine process exited with code {proc.returncode}; see {slot.path('.log')}"
+                code = f" with code {proc.returncode}" if proc is not None else ""
+                reason = f"the engine process exited{code}; see {slot.path('.log')}"
             raise EngineStartError(reason)
         time.sleep(0.1)
-    proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
     raise EngineStartError(f"the engine of slot {slot.name} did not start within {_START_TIMEOUT_S:.0f}s; see "
                            f"{slot.path('.log')}")
+
+
+def _write_private(path: Path, record: dict) -> None:
+    """Write a small JSON record readable by this user only, complete or not at all (temp file and rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
@@ -405,6 +504,9 @@ class _Server:
                     self.stop(f"idle for {idle:.0f}s")
 
     def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list:
+        """Results of ``requests`` from one blocking engine call; a request the engine rejects is found by bisection
+        (:func:`~spark_llm.infer.generate_isolating`) and becomes its failure. For pooling engines and for what is
+        left of a stream after the engine raised (:meth:`stream`)."""
         from .endpoints.engine_side import sampling_params
         from .infer import generate_isolating, is_fatal
 
@@ -434,13 +536,111 @@ class _Server:
                     raise out
                 results[i] = RequestFailure("engine", f"{type(out).__name__}: {out}")
                 continue
-            results[i] = _plain(out)
-            try:
-                for choice in results[i].outputs:
-                    self.parsers.parse(choice, requests[i][2])
-            except Exception as exc:  # a parser bug on one odd answer is that request's error, not the batch's
-                results[i] = RequestFailure("engine", f"parsing the answer failed: {type(exc).__name__}: {exc}")
+            results[i] = self._result(out, requests[i][2])
         return results
+
+    def _result(self, out: Any, parse: dict) -> "Output | RequestFailure":
+        """A finished vLLM output as what crosses the socket, its answers parsed as ``parse`` asks."""
+        result = _plain(out)
+        try:
+            for choice in result.outputs:
+                self.parsers.parse(choice, parse)
+        except Exception as exc:  # a parser bug on one odd answer is that request's error, not the batch's
+            return RequestFailure("engine", f"parsing the answer failed: {type(exc).__name__}: {exc}")
+        return result
+
+    def stream(self, conn: Any, total: int) -> None:
+        """One engine call, streamed. The requests arrive in chunks (``("add", [(index, request), ...])``,
+        ``total`` requests in all) and join the running engine as they come; each result goes back as soon as its
+        request finishes (``("results", [(index, result), ...])``), from a thread of its own, so the engine never
+        waits for the socket or the task; then ``("done", None)``."""
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        sender = _Sender(conn, outbox)
+        try:
+            if self.pooling:  # vLLM's pooling runner takes whole calls only
+                chunk = _receive(conn, total)
+                outbox.put(("results", list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk])))))
+            else:
+                self._stream(conn, total, outbox, sender)
+            outbox.put(("done", None))
+        finally:
+            sender.close()
+
+    def _stream(self, conn: Any, total: int, outbox: Any, sender: "_Sender") -> None:
+        from .infer import is_fatal
+
+        engine = self.engine.llm_engine
+        flight: dict[str, tuple[int, tuple, str]] = {}  # vLLM's request id -> (index, request, internal id)
+        received = 0
+        try:
+            while received < total or flight:
+                if sender.gone:  # the task is gone (its worker died): nobody wants the rest
+                    return
+                while received < total and (not flight or conn.poll(0)):  # take what has arrived
+                    op, chunk = conn.recv()
+                    received += len(chunk)
+                    failed = self._enqueue(chunk, flight)
+                    if failed:
+                        outbox.put(("results", failed))
+                if not flight:
+                    continue
+                try:
+                    outs = engine.step()
+                except Exception as exc:
+                    if is_fatal(exc):
+                        raise
+                    # which request the engine choked on is not known: the rest of the call runs isolating
+                    log.warning("engine step failed (%s: %s); isolating the %d request(s) in flight",
+                                type(exc).__name__, exc, len(flight))
+                    rest = [(i, r) for i, r, _ in flight.values()] + _receive(conn, total - received)
+                    engine.abort_request([internal for _, _, internal in flight.values()], internal=True)
+                    flight.clear()
+                    outbox.put(("results", list(zip([i for i, _ in rest], self.generate([r for _, r in rest])))))
+                    return
+                done = [(index, self._result(out, request[2]))
+                        for out in outs if out.finished for index, request, _ in [flight.pop(out.request_id)]]
+                if done:
+                    outbox.put(("results", done))
+        finally:
+            if flight:  # a call cut short: its requests must not linger in the engine
+                with contextlib.suppress(Exception):
+                    engine.abort_request([internal for _, _, internal in flight.values()], internal=True)
+
+    def _enqueue(self, chunk: list, flight: dict) -> list:
+        """Add a chunk of requests to the engine (``flight`` gets their vLLM ids); returns the failures of those
+        it refused, each found by adding the chunk's requests one by one when the chunk as a whole was refused."""
+        from .endpoints.engine_side import sampling_params
+        from .infer import is_fatal
+
+        failed, ready = [], []
+        for index, request in chunk:
+            try:
+                ready.append((index, request, sampling_params(request[1])))
+            except Exception as exc:
+                failed.append((index, RequestFailure("invalid", f"{type(exc).__name__}: {exc}")))
+
+        def add(items: list) -> None:
+            loras = [self.adapters.get(r[2].get("adapter")) for _, r, _ in items]
+            ids = self.engine.enqueue([{"prompt_token_ids": r[0]} for _, r, _ in items], [p for _, _, p in items],
+                                      lora_request=loras if any(a is not None for a in loras) else None,
+                                      use_tqdm=False)
+            for internal, (index, request, _) in zip(ids, items):
+                # outputs carry the id the request was added with; vLLM's own id has a random suffix after it
+                flight[internal.split("-", 1)[0]] = (index, request, internal)
+        try:
+            if ready:
+                add(ready)
+        except Exception as exc:
+            if is_fatal(exc):
+                raise
+            for item in ready:
+                try:
+                    add([item])
+                except Exception as one:
+                    if is_fatal(one):
+                        raise
+                    failed.append((item[0], RequestFailure("engine", f"{type(one).__name__}: {one}")))
+        return failed
 
     def serve_connection(self, conn: Any) -> None:
         try:
@@ -465,7 +665,10 @@ class _Server:
             with self.lock:
                 self.busy = True
                 try:
-                    conn.send(("ok", self.generate(*args)) if op == "generate" else ("error", f"unknown op {op!r}"))
+                    if op == "stream":
+                        self.stream(conn, *args)
+                    else:
+                        conn.send(("error", f"unknown op {op!r}"))
                 except Exception as exc:
                     fatal = is_fatal(exc)
                     message = f"{type(exc).__name__}: {exc}" + (" (the engine is dead)" if fatal else "")
@@ -476,6 +679,38 @@ class _Server:
                 finally:
                     self.busy = False
                     self.last_used = time.monotonic()
+
+
+class _Sender:
+    """Sends a stream's results from a thread of its own, in order; notes when the client has gone."""
+
+    def __init__(self, conn: Any, outbox: Any):
+        self.conn, self.outbox, self.gone = conn, outbox, False
+        self.thread = threading.Thread(target=self._run, name="results", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (message := self.outbox.get()) is not None:
+            if self.gone:
+                continue
+            try:
+                self.conn.send(message)
+            except (OSError, EOFError, ValueError):
+                self.gone = True
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self.outbox.put(None)
+        self.thread.join()
+
+
+def _receive(conn: Any, count: int) -> list:
+    """The next ``count`` requests of a stream (``("add", chunk)`` messages)."""
+    got: list = []
+    while len(got) < count:
+        op, chunk = conn.recv()
+        got.extend(chunk)
+    return got
 
 
 def serve(argv: Optional[Sequence[str]] = None) -> int:
@@ -527,11 +762,10 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     listener = Listener(str(slot.path(".sock")), family="AF_UNIX", authkey=authkey.encode())
     info = {"pid": os.getpid(), "slot": slot.name, "devices": list(slot.devices), "key": args.key,
             "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time()}
-    tmp = slot.path(".json.tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, slot.path(".json"))
+    _write_private(slot.path(".json"), info)
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(slot.path(".starting").read_text()).get("pid") == os.getpid():
+            slot.path(".starting").unlink()
     _event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
            load_seconds=round(load_s, 3))
     log.info("engine for slot %s ready in %.1fs", slot.name, load_s)

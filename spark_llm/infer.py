@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from . import faults
 from .engine import EngineSpec, task_gpus
 from .endpoints import BY_KIND, Reply
-from .engine_service import EngineClient, EngineDied, ProcessSettings, RequestFailure, engine_for
+from .engine_service import (EngineClient, EngineDied, ProcessSettings, RequestFailure, Slot, engine_for,
+                             prestart)
 from .errors import ErrorCode, truncate
 from .quarantine import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .schemas import RESULT_FIELDS
@@ -40,6 +41,9 @@ class InferContext:
     run_id: str = ""               #: the run (an engine that cannot start is not tried again within it)
     #: planned partitions of the run before this model's (a batch of several models numbers them across its models)
     partition_offset: int = 0
+    #: engines of the executor without GPUs, where Spark's scheduling does not bound them (local masters: the task
+    #: slots, so that num_task_slots engines share the cores); None: one per running task
+    cpu_slots: Optional[int] = None
 
     def partition(self, pdf: Any) -> int:
         """The run's number of the partition ``pdf`` (its planned partition, after the earlier models')."""
@@ -81,7 +85,8 @@ def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence
 
 
 def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
-    """mapInPandas body: every request of the partition in one engine call; one result row per input row."""
+    """mapInPandas body: every request of the partition in one streamed engine call, each row answered as soon as
+    its requests finish while the engine goes on with the rest; one result row per input row."""
     import pandas as pd
 
     started = time.time()
@@ -91,33 +96,29 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     pdf = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
     n = len(pdf)
     rows = [_base_row(pdf, i, ctx) for i in range(n)]
-    requests, owner = _engine_requests(pdf)
+    options = [json.loads(x) for x in pdf["options_json"]]
+    kinds = list(pdf["kind"])
+    requests, owner = _engine_requests(pdf, options)
+
+    def answer(i: int, outputs: list) -> None:
+        rows[i]["model"] = options[i].get("adapter") or ctx.served_model_name
+        _answer(rows[i], outputs, kinds[i], Reply(rows[i]["request_id"], rows[i]["model"], int(time.time()),
+                                                  options[i]))
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
     journal = Journal.open(ctx.journal, ctx.partition(pdf))
-    with engine_for(ctx.engine, gpus, ctx.process, ctx.run_id) as engine:
+    with engine_for(ctx.engine, gpus, ctx.process, ctx.run_id, ctx.cpu_slots) as engine:
         t0 = time.monotonic()
-        guarded = generate_guarded(engine, requests, owner, pdf, journal)
+        guarded = generate_guarded(engine, requests, owner, pdf, journal, answer)
         engine_s = time.monotonic() - t0 - engine.rebuild_seconds
     log.info("partition: %d requests in %.1fs on engine %s (load %.1fs)", n, engine_s, engine.slot.name,
              engine.load_seconds)
     faults.maybe_kill_worker(set(pdf["custom_id"]))
-    created = int(time.time())
-    results = guarded.results
-    per_row: list[list] = [[] for _ in range(n)]
-    for i, res in zip(owner, results):
-        per_row[i].append(res)
     for i in guarded.quarantined:
         rows[i].update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=quarantine_message(guarded.deaths))
-    for i, outputs in enumerate(per_row):
-        if i in guarded.quarantined:
-            continue
-        options = json.loads(pdf["options_json"].iat[i])
-        rows[i]["model"] = options.get("adapter") or ctx.served_model_name
-        reply = Reply(rows[i]["request_id"], rows[i]["model"], created, options)
-        _answer(rows[i], outputs, pdf["kind"].iat[i], reply)
     unanswered = [i for i, r in enumerate(rows) if r["response_body"] is None and r["error_code"] is None]
     if unanswered:  # the conservation check: every request of the partition has a response or an error
         raise AssertionError(f"{len(unanswered)} of {n} requests got neither a response nor an error")
+    results = guarded.results
     cached = sum(r.num_cached_tokens for r in results if r is not None and not isinstance(r, RequestFailure))
     record = {**_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus),
               "cached_prompt_tokens": cached, "engine_deaths": guarded.deaths}
@@ -140,9 +141,10 @@ class Guarded:
 
 
 def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf: Any,
-                     journal: Optional[Journal]) -> Guarded:
-    """All requests of the partition through the engine, in one call unless deaths are on record; a call during
-    which the engine dies is recorded as a death, the engine rebuilt, and the rest replanned
+                     journal: Optional[Journal], on_row: Callable[[int, list], None]) -> Guarded:
+    """All requests of the partition through the engine, in one streamed call unless deaths are on record;
+    ``on_row(i, outputs)`` as soon as every request of row ``i`` has its result. A call during which the engine
+    dies is recorded as a death, the engine rebuilt, and the rows not answered yet replanned
     (:func:`~spark_llm.quarantine.isolation_plan`)."""
     ids = [str(x) for x in pdf["id"]]
     row_of = {rid: i for i, rid in enumerate(ids)}
@@ -162,13 +164,21 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
             for call in plan.calls:
                 rows = [row_of[r] for r in call]
                 idx = [j for i in rows for j in by_row[i]]
+                left = {i: len(by_row[i]) for i in rows}
+
+                def got(k: int, out: Any, idx: list[int] = idx, left: dict[int, int] = left) -> None:
+                    j = idx[k]
+                    results[j] = out
+                    i = owner[j]
+                    left[i] -= 1
+                    if not left[i]:
+                        done.add(ids[i])
+                        on_row(i, [results[x] for x in by_row[i]])
                 marker = journal.mark(call) if journal is not None else None
                 faults.before_engine_call({str(pdf["custom_id"].iat[i]) for i in rows}, engine.info.get("pid"))
-                for j, out in zip(idx, engine.generate([requests[j] for j in idx])):
-                    results[j] = out
+                engine.stream([requests[j] for j in idx], got)
                 if marker is not None:
                     journal.clear(marker)
-                done.update(call)
         except EngineDied as exc:
             deaths.append(frozenset(call))
             if engine.rebuilds >= MAX_ENGINE_REBUILDS:
@@ -181,8 +191,9 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
 
 
 def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:
-    """mapInPandas body of the warm-up job: make sure the engine of this task's GPUs is running (started if needed,
-    the slot held until it is ready), one row per task: the slot and whether this task started it."""
+    """mapInPandas body of the warm-up job on GPU clusters: make sure the engine of this task's GPUs is running
+    (started if needed, the slot held until it is ready), one row per task: the slot and whether this task started
+    it."""
     import pandas as pd
 
     for _ in batches:
@@ -190,21 +201,31 @@ def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:
             yield pd.DataFrame({"slot": [engine.slot.name], "started": [engine.started_here]})
 
 
-def _engine_requests(pdf: Any) -> tuple[list[tuple[list[int], dict, dict]], list[int]]:
+def prestart_partition(batches: Iterator, ctx: InferContext) -> Iterator:
+    """mapInPandas body of the warm-up job on local masters: task ``n`` starts CPU slot ``n``'s engine loading and
+    returns at once (the inference tasks wait for it); one row per task: the slot and whether it was started."""
+    import pandas as pd
+    from pyspark import TaskContext
+
+    for _ in batches:
+        slot = Slot.cpu(TaskContext.get().partitionId())
+        yield pd.DataFrame({"slot": [slot.name], "started": [prestart(ctx.engine, ctx.process, slot)]})
+
+
+def _engine_requests(pdf: Any, options: list[dict]) -> tuple[list[tuple[list[int], dict, dict]], list[int]]:
     """One engine request per prompt of every row (prompt token ids, SamplingParams keyword arguments, what the
     engine should parse out of the answer), and the row each belongs to."""
     requests, owner = [], []
-    for i in range(len(pdf)):
-        endpoint = BY_KIND[pdf["kind"].iat[i]]
-        sampling = json.loads(pdf["sampling_json"].iat[i])
-        options = json.loads(pdf["options_json"].iat[i])
-        parse = {"reasoning": endpoint.PARSE_REASONING}
-        if options.get("tool_choice") == "auto":
-            parse["tools"] = options["tools"]
-        if options.get("adapter"):
-            parse["adapter"] = options["adapter"]
-        for ids in pdf["prompt_token_ids"].iat[i]:
-            requests.append(([int(t) for t in ids], sampling, parse))
+    for i, (kind, sampling_json, prompts) in enumerate(zip(pdf["kind"], pdf["sampling_json"],
+                                                          pdf["prompt_token_ids"])):
+        sampling = json.loads(sampling_json)
+        parse = {"reasoning": BY_KIND[kind].PARSE_REASONING}
+        if options[i].get("tool_choice") == "auto":
+            parse["tools"] = options[i]["tools"]
+        if options[i].get("adapter"):
+            parse["adapter"] = options[i]["adapter"]
+        for ids in prompts:
+            requests.append((ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids], sampling, parse))
             owner.append(i)
     return requests, owner
 

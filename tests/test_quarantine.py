@@ -90,19 +90,31 @@ def test_the_journal_keeps_the_calls_that_never_returned(tmp_path, uri):
 
 
 class FakeEngine:
-    """An engine client whose engine dies whenever a poison prompt is in a call."""
+    """An engine client whose engine dies whenever a poison prompt is in a call: at once, or (``streams``) after
+    answering the requests before the poison, as a streamed call does."""
 
-    def __init__(self, poison):
-        self.poison, self.rebuilds, self.info, self.calls = poison, 0, {"pid": None}, []
+    def __init__(self, poison, streams=False):
+        self.poison, self.streams, self.rebuilds, self.info, self.calls = poison, streams, 0, {"pid": None}, []
 
-    def generate(self, requests):
+    def stream(self, requests, on_result):
         self.calls.append([r[0] for r in requests])
-        if any(r[0] in self.poison for r in requests):
+        if not self.streams and any(r[0] in self.poison for r in requests):
             raise EngineDied("the engine process died during a call (EOFError)")
-        return [f"out-{r[0]}" for r in requests]
+        for k, r in enumerate(requests):
+            if r[0] in self.poison:
+                raise EngineDied("the engine process died during a call (EOFError)")
+            on_result(k, f"out-{r[0]}")
 
     def rebuild(self):
         self.rebuilds += 1
+
+
+class Answers(dict):
+    """The rows ``generate_guarded`` answered, each with its outputs; a row answered twice fails the test."""
+
+    def __call__(self, i, outputs):
+        assert i not in self, f"row {i} answered twice"
+        self[i] = outputs
 
 
 def partition(n):
@@ -114,9 +126,11 @@ def test_an_engine_dying_under_a_live_worker_is_rebuilt_and_the_poison_request_s
     pdf, requests, owner = partition(40)
     engine = FakeEngine({"p13"})
     journal = Journal.open(str(tmp_path), 0)
-    got = generate_guarded(engine, requests, owner, pdf, journal)
+    answers = Answers()
+    got = generate_guarded(engine, requests, owner, pdf, journal, answers)
     assert got.quarantined == {13} and got.results[13] is None
     assert [r for i, r in enumerate(got.results) if i != 13] == [f"out-p{i}" for i in range(40) if i != 13]
+    assert answers == {i: [f"out-p{i}"] for i in range(40) if i != 13}
     assert engine.rebuilds == got.deaths == 3
     # the markers of the three deaths stay: all 40 in flight, then a call of ceil(40/16) = 3, then r13 alone
     assert sorted(journal.deaths(), key=len) == [{"r13"}, {"r12", "r13", "r14"}, set(ids(40))]
@@ -128,7 +142,7 @@ def test_the_next_attempt_continues_from_the_journal(tmp_path):
     journal = Journal.open(str(tmp_path), 0)
     journal.mark(ids(40))
     engine = FakeEngine({"p13"})
-    got = generate_guarded(engine, requests, owner, pdf, journal)
+    got = generate_guarded(engine, requests, owner, pdf, journal, Answers())
     assert got.quarantined == {13} and engine.rebuilds == 2 and got.deaths == 3
     assert engine.calls[0] == ["p0", "p1", "p2"]  # no call of all 40 again: chunks of ceil(40/16) from the start
 
@@ -137,8 +151,19 @@ def test_a_task_gives_up_after_its_rebuild_budget():
     pdf, requests, owner = partition(5000)
     engine = FakeEngine({f"p{i}" for i in range(0, 5000, 7)})  # poison everywhere: no narrowing helps
     with pytest.raises(EngineDied):
-        generate_guarded(engine, requests, owner, pdf, None)
+        generate_guarded(engine, requests, owner, pdf, None, Answers())
     assert engine.rebuilds == MAX_ENGINE_REBUILDS
+
+
+def test_rows_answered_before_the_engine_died_are_kept_and_not_run_again(tmp_path):
+    """A streamed call answers rows as they finish: those answered before a death keep their answers, and only the
+    rows still in flight are narrowed down."""
+    pdf, requests, owner = partition(40)
+    engine = FakeEngine({"p13"}, streams=True)
+    answers = Answers()
+    got = generate_guarded(engine, requests, owner, pdf, Journal.open(str(tmp_path), 0), answers)
+    assert got.quarantined == {13} and answers == {i: [f"out-p{i}"] for i in range(40) if i != 13}
+    assert not {f"p{i}" for i in range(13)} & {p for call in engine.calls[1:] for p in call}
 
 
 def test_local_masters_get_the_task_retries_the_isolation_needs():
