@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from pyspark.sql import functions as F
 
     from spark_llm.config import BatchConfig
-    from spark_llm.partition import balance, estimate_cost
+    from spark_llm.partition import balance
     from spark_llm.prepare import prepare
     from spark_llm.session import get_session
 
@@ -73,8 +73,8 @@ def main(argv=None) -> int:
                       batch_id="bench")
 
     t0 = time.monotonic()
-    requests = prepare(spark, cfg.resolved(max_model_len=cfg.max_model_len)).where(F.col("error_code").isNull())
-    valid = estimate_cost(requests).persist(StorageLevel.MEMORY_AND_DISK)
+    requests = prepare(spark, [cfg.resolved(max_model_len=cfg.max_model_len)]).where(F.col("error_code").isNull())
+    valid = requests.persist(StorageLevel.MEMORY_AND_DISK)
     n_valid = valid.count()
     total = valid.agg(F.sum("est_tokens")).first()[0]
     count_s = time.monotonic() - t0

@@ -306,8 +306,9 @@ class BatchConfig(BaseModel):
         "finer retries and better balance, more engine calls; larger: fewer, longer tasks.",
         json_schema_extra=group("partitioning and waves"))
     num_task_slots: Optional[int] = Field(
-        None, ge=1, description="Inference tasks that run at once (GPU engines in the cluster). Default: derived "
-        "from Spark (executors x GPUs per executor / GPUs per task, or the default parallelism on CPU).",
+        None, ge=1, description="Inference tasks that run at once (GPU engines in the cluster; on a local master, "
+        "the engines that share its cores: 1 gives one engine all of them). Default: derived from Spark (executors "
+        "x GPUs per executor / GPUs per task, or the default parallelism on CPU).",
         json_schema_extra=group("partitioning and waves"))
     prefix_aware_partitions: bool = Field(
         True, description="Keep requests that share a leading prefix (system prompt, few-shot block, one document "

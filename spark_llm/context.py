@@ -65,6 +65,9 @@ class RunContext:
     run_id: str          #: this run of the batch (each --resume run is a new one)
     #: every model of the batch as a resolved config, the main model (``cfg``) first; one entry for most batches
     models: tuple[BatchConfig, ...] = ()
+    #: writes of the result tables under way in the background (their creation, then the validation errors: see
+    #: write.prepare_destination); every later read or write of the tables waits for them. None: nothing under way
+    table_writes: Any = None
 
     @classmethod
     def start(cls, spark: SparkSession, config: BatchConfig) -> "RunContext":

@@ -1,6 +1,7 @@
 """Token-balanced repartitioning: every inference task gets about the same estimated work.
 
-Estimated cost of a request = prompt tokens + n * max_tokens. Rows are laid on one line of cumulative cost (hashed
+Estimated cost of a request (``est_tokens``, from the token stage: :func:`~spark_llm.tokens.estimated_tokens`) =
+prompt tokens + prompts x n x max_tokens. Rows are laid on one line of cumulative cost (hashed
 into fixed partitions by id and sorted, so the order is the same every time) and cut into ``P`` equal ranges, so
 each partition holds total/P tokens give or take one request. Only per-partition sums reach the driver (one row per
 partition), never requests. Inside a partition, rows are sorted by their leading prompt tokens so that shared
@@ -82,13 +83,6 @@ def task_slots(spark: SparkSession, configured: Optional[int] = None, tensor_par
     if task_gpus > 0 and exec_gpus > 0 and executors > 0:
         return max(1, executors * int(exec_gpus // task_gpus))
     return max(1, default_parallelism(spark))
-
-
-def estimate_cost(df: DataFrame) -> DataFrame:
-    """Adds ``est_tokens`` = prompt tokens + prompts x n x max_tokens."""
-    n = F.coalesce(F.get_json_object("sampling_json", "$.n").cast("long"), F.lit(1))
-    outputs = n * F.greatest(F.size("prompt_token_ids"), F.lit(1)).cast("long")
-    return df.withColumn("est_tokens", F.col("prompt_tokens").cast("long") + outputs * F.col("max_tokens").cast("long"))
 
 
 def _partition_sums(df: DataFrame) -> dict[int, int]:

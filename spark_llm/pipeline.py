@@ -1,6 +1,6 @@
 """run_batch(spark, config): the table of contents of a run.
 
-    check settings -> context -> destination -> [GPU clusters: the engines start loading, in the background]
+    check settings -> context -> [the engines start loading, in the background] -> destination
     -> prepare (read, validate, dedupe, count tokens, ids) -> validation errors
     -> infer model by model, in waves (plan; infer and commit, two waves in flight)
     -> report (files, batch.json, report.html)
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Optional
 
 from pyspark import StorageLevel
 from pyspark.sql import SparkSession
@@ -23,7 +24,6 @@ from .batch import BatchResult
 from .config import BatchConfig
 from .context import RunContext
 from .engine import check_adapters, check_gpu_settings
-from .partition import estimate_cost
 from .prepare import check_size, count_outcomes, prepare
 from .quarantine import retry_budget_warning
 from .report import Outcome, finish, write_failed_batch
@@ -49,22 +49,22 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     if (warning := retry_budget_warning(conf)) is not None:
         log.warning("%s", warning)
     run = RunContext.start(spark, config)
-    write.prepare_destination(run)
-    log.info("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))
-    with run.job_group():
+    with run.job_group(), EngineWarmup.started(run) as warmup:  # engines load while the batch is prepared
+        run = write.prepare_destination(run)
+        log.info("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))
         try:
             for model in run.models:
                 check_adapters(model.lora_modules, model.max_lora_rank)
-            outcome = _write_rows(run)
+            outcome = _write_rows(run, warmup)
         except BaseException as exc:
+            write.wait_for_writes(run, quietly=True)  # a failed batch's tables exist too
             write_failed_batch(run, exc)
             raise
         return finish(run, outcome)
 
 
-def _write_rows(run: RunContext) -> Outcome:
+def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
     """Every pending line to one row: validation errors first, then inference in waves."""
-    warmup = EngineWarmup.start(run)  # GPU clusters: the engines load while the batch is prepared
     run.describe("read, validate and count tokens")
     requests = prepare(run.spark, run.models).persist(StorageLevel.MEMORY_AND_DISK)
     try:
@@ -76,16 +76,14 @@ def _write_rows(run: RunContext) -> Outcome:
             pending = write.pending(run, requests)
             todo = count_outcomes(pending)
             log.info("batch %s: resuming, %d requests already answered", run.batch_id, counts.rows - todo.rows)
-        if todo.errors:
-            run.describe("write validation errors")
-            write.insert_errors(run, write.error_rows(pending, run))
+        if todo.errors:  # committed while the requests infer
+            run = write.insert_errors_meanwhile(run, write.error_rows(pending, run))
         plan = None
         if todo.ok:
-            plan = infer_models(run, estimate_cost(pending.where(F.col("error_code").isNull())), warmup)
+            plan = infer_models(run, pending.where(F.col("error_code").isNull()), warmup)
         elif run.cfg.resume:
             log.info("batch %s: nothing left to run; no new rows written", run.batch_id)
+        write.wait_for_writes(run)  # they read the prepared rows: done before those are released
     finally:
-        if warmup is not None:
-            warmup.close()
         requests.unpersist()
     return Outcome(plan=plan, skipped=counts.rows - todo.rows, in_progress_at=in_progress_at)

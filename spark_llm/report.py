@@ -12,6 +12,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from . import report_html, storage, write
+from .background import SparkJobInBackground
 from .batch import BatchError, BatchErrors, BatchObject, BatchResult, Tally
 from .context import RunContext
 from .metrics import engine_usage
@@ -22,42 +23,51 @@ log = logging.getLogger(__name__)
 MAX_LISTED_ERRORS = 1000
 
 
-def tally(outputs: DataFrame, errors: DataFrame) -> Tally:
-    o = outputs.agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("pt"),
-                    F.sum("completion_tokens").alias("ct")).first()
-    e = errors.agg(F.count(F.lit(1)).alias("n")).first()
-    return Tally(completed=int(o["n"]), failed=int(e["n"]), input_tokens=int(o["pt"] or 0),
-                 output_tokens=int(o["ct"] or 0))
+@dataclass(frozen=True)
+class Tables:
+    """What batch.json and report.html say of a batch's result tables: one aggregate over each table, plus the
+    prompt-length histogram (a row per bucket) and the listed unattributable errors (only when there are any)."""
+
+    tally: Tally
+    endpoint: str                          #: the batch's endpoints, comma-joined (OpenAI batches have one)
+    errors_by_code: dict[str, int]
+    unattributed: BatchErrors              #: errors.data: the lines without a usable custom_id
+    histogram: list[tuple[int, int]]       #: (bucket start, requests) over prompt_tokens
+
+    @classmethod
+    def read(cls, outputs: DataFrame, errors: DataFrame, buckets: int = 30) -> "Tables":
+        o = outputs.agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("pt"),
+                        F.sum("completion_tokens").alias("ct"), F.max("prompt_tokens").alias("top"),
+                        F.slice(F.array_sort(F.collect_set("endpoint")), 1, 8).alias("endpoints")).first()
+        by_code = errors.groupBy("code").agg(F.count(F.lit(1)).alias("n"),
+                                             F.count_if(F.col("custom_id").isNull()).alias("unattributed")).collect()
+        failed = sum(int(r["n"]) for r in by_code)
+        tally = Tally(completed=int(o["n"]), failed=failed, input_tokens=int(o["pt"] or 0),
+                      output_tokens=int(o["ct"] or 0))
+        return cls(tally=tally, endpoint=",".join(o["endpoints"] or []),
+                   errors_by_code={r["code"]: int(r["n"]) for r in by_code},
+                   unattributed=unattributed_errors(errors, sum(int(r["unattributed"]) for r in by_code)),
+                   histogram=prompt_histogram(outputs, int(o["top"] or 0), buckets))
 
 
-def prompt_histogram(outputs: DataFrame, buckets: int = 30) -> list[tuple[int, int]]:
-    """(bucket start, requests) over prompt_tokens, computed by Spark (at most ``buckets`` rows)."""
-    top = outputs.agg(F.max("prompt_tokens")).first()[0]
+def prompt_histogram(outputs: DataFrame, top: int, buckets: int = 30) -> list[tuple[int, int]]:
+    """(bucket start, requests) over prompt_tokens up to ``top``, computed by Spark (at most ``buckets`` rows)."""
     if not top:
         return []
-    width = max(1, -(-int(top) // buckets))
+    width = max(1, -(-top // buckets))
     rows = (outputs.groupBy((F.floor(F.col("prompt_tokens") / width) * width).alias("b"))
             .count().orderBy("b").collect())
     return [(int(r["b"]), int(r["count"])) for r in rows]
 
 
-def errors_by_code(errors: DataFrame) -> dict[str, int]:
-    return {r["code"]: int(r["count"]) for r in errors.groupBy("code").count().collect()}
-
-
-def unattributed_errors(errors: DataFrame, limit: int = MAX_LISTED_ERRORS) -> BatchErrors:
-    """errors.data: the lines without a usable custom_id (at most ``limit`` listed), and how many there are."""
-    rows = errors.where(F.col("custom_id").isNull())
-    listed = (rows.orderBy("file", "line_number").limit(limit)
+def unattributed_errors(errors: DataFrame, total: int, limit: int = MAX_LISTED_ERRORS) -> BatchErrors:
+    """errors.data: the ``total`` lines without a usable custom_id, at most ``limit`` of them listed."""
+    if not total:
+        return BatchErrors()
+    listed = (errors.where(F.col("custom_id").isNull()).orderBy("file", "line_number").limit(limit)
               .select("code", "message", "file", "line_number").collect())
     return BatchErrors(data=[BatchError(code=r["code"], message=r["message"], line=int(r["line_number"]),
-                                        file=r["file"]) for r in listed], total=rows.count())
-
-
-def endpoint_of(outputs: DataFrame) -> str:
-    """The batch's endpoint: OpenAI batches have one; ours may mix them (comma-joined), or have none when every line
-    failed."""
-    return ",".join(sorted(r["endpoint"] for r in outputs.select("endpoint").distinct().limit(8).collect()))
+                                        file=r["file"]) for r in listed], total=total)
 
 
 # ---- the stage ---------------------------------------------------------------------------------------------------
@@ -72,17 +82,21 @@ class Outcome:
 
 
 def finish(run: RunContext, outcome: Outcome) -> BatchResult:
-    """The OpenAI files from the tables, then batch.json and report.html."""
+    """The OpenAI files from the tables (written in the background meanwhile), then batch.json and report.html."""
     run.describe("write OpenAI files, batch.json and the report")
-    write.write_openai_files(run)
-    outputs, errors = write.outputs(run), write.errors(run)
-    records = batch_records(run)
-    plan = {**(outcome.plan or {}), **engine_usage(records)} if records else outcome.plan
-    batch = BatchObject.completed(run, tally(outputs, errors), unattributed_errors(errors), endpoint_of(outputs),
-                                  plan, outcome.in_progress_at)
-    storage.write_text_atomic(run.spark, run.paths.batch_file, batch.to_json())
-    storage.write_text_atomic(run.spark, run.paths.report_file, report_html.render(
-        batch.model_dump(), records, prompt_histogram(outputs), errors_by_code(errors), time.time() - run.started))
+    files = SparkJobInBackground(run.spark, "spark_llm-files", lambda: write.write_openai_files(run))
+    try:
+        tables = Tables.read(write.outputs(run), write.errors(run))
+        records = batch_records(run)
+        plan = {**(outcome.plan or {}), **engine_usage(records)} if records else outcome.plan
+        batch = BatchObject.completed(run, tables.tally, tables.unattributed, tables.endpoint, plan,
+                                      outcome.in_progress_at)
+        report = report_html.render(batch.model_dump(), records, tables.histogram, tables.errors_by_code,
+                                    time.time() - run.started)
+    finally:
+        files.wait()
+    storage.write_text_atomic(run.spark, run.paths.report_file, report)
+    storage.write_text_atomic(run.spark, run.paths.batch_file, batch.to_json())  # last: the batch is done
     result = BatchResult(batch=batch, paths=run.paths, skipped=outcome.skipped)
     log.info("%s", result.summary())
     return result

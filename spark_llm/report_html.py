@@ -123,7 +123,7 @@ def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], e
         ("engine busy fraction (engine time / (slots x inference wall))", f"{busy:.1%}" if busy is not None else "-"),
         ("prefix-cache hit rate (cached / prompt tokens)",
          f"{plan['prefix_cache_hit_rate']:.1%}" if plan.get("prefix_cache_hit_rate") is not None else "-"),
-        ("engine loads", sum(1 for m in metrics if m["engine_load_seconds"] > 0)),
+        ("partitions that waited for an engine load", sum(1 for m in metrics if m["engine_load_seconds"] > 0)),
         ("partitions inferred (all runs)", len(metrics)),
         ("partitions planned (this run)", plan.get("num_partitions", 0)),
         ("balance max/mean (this run)", plan.get("balance_ratio", "-")),

@@ -30,6 +30,7 @@ TOKENIZED_SCHEMA = T.StructType(VALIDATED_SCHEMA.fields + [
     # one list per prompt: a completions request may hold several
     T.StructField("prompt_token_ids", T.ArrayType(T.ArrayType(I, containsNull=False), containsNull=False), True),
     T.StructField("prompt_tokens", L, True),
+    T.StructField("est_tokens", L, True),  # the request's cost in the partition plan (tokens.estimated_tokens)
     T.StructField("notes", S, True),
 ])
 
@@ -116,7 +117,8 @@ METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
                                 "/ prompt_tokens is the partition's prefix-cache hit rate"),
     "completion_tokens": (L, "Generated tokens of the partition's successful requests"),
     "engine_deaths": (L, "Engine deaths while the partition ran, earlier attempts' included (see quarantine.py)"),
-    "engine_load_seconds": (T.DoubleType(), "Seconds spent building the engine (0 when the worker had it cached)"),
+    "engine_load_seconds": (T.DoubleType(), "Seconds the task waited for its engine to load (0 when it was "
+                                           "ready: loaded by the warm-up or an earlier task)"),
     "engine_seconds": (T.DoubleType(), "Seconds inside the engine's generate call"),
     "tokens_per_second": (T.DoubleType(), "(prompt + generated tokens) / engine_seconds"),
     "errors_by_code": (S, "JSON object: error code -> count in this partition"),

@@ -2,35 +2,38 @@
 
 Each wave runs its planned partitions through :func:`~spark_llm.infer.infer_partition` (one ``mapInPandas`` task
 per partition), stages the results once as Parquet, checks that every planned request has exactly one result, and
-commits them to the outputs and errors tables (one MERGE each). Waves overlap (:data:`WAVES_IN_FLIGHT`): the engines
+commits them to the outputs and errors tables (one MERGE each, at the same time as the partitions' records go to the
+metrics table). Waves overlap (:data:`WAVES_IN_FLIGHT`): the engines
 start the next wave while the last one's slowest partitions finish and while it is committed. A crash loses at most
 the waves not yet committed; ``--resume`` continues from the last commit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Iterator, Optional
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from . import faults, storage, write
+from .background import SparkJobInBackground
 from .context import RunContext
 from .config import config_view
 from .engine import EngineSpec, has_gpus
 from .engine_service import ProcessSettings
 from .errors import EngineStartError
-from .infer import InferContext, infer_partition, warm_partition
+from .infer import InferContext, infer_partition, prestart_partition, warm_partition
 from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_partitions, task_slots
 from .prepare import Outcomes
 from .schemas import RESULT_SCHEMA
-from .session import spark_conf
+from .session import is_local_master, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -63,53 +66,63 @@ def waves_of(num_partitions: int, per_wave: int, before: int = 0) -> list[Wave]:
 WAVES_IN_FLIGHT = 2
 
 
-class SparkJobInBackground:
-    """A driver thread running Spark jobs in the run's job group (pyspark's ``InheritableThread``); :meth:`wait`
-    joins it and raises what it raised (an executor-side engine start failure as one clear error)."""
+class _EngineJob(SparkJobInBackground):
+    """A background Spark job whose tasks use the engines: an executor-side engine start failure is raised as one
+    clear error."""
 
-    def __init__(self, spark: Any, name: str, body: Callable[[], None]):
-        from pyspark import InheritableThread
-
-        self.error: Optional[BaseException] = None
-        self.thread = InheritableThread(target=self._run, args=(body,), name=name, daemon=True, session=spark)
-        self.thread.start()
-
-    def _run(self, body: Callable[[], None]) -> None:
-        try:
-            body()
-        except BaseException as exc:
-            self.error = exc
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise engine_failure(self.error) from None
+    def failure(self, exc: BaseException) -> BaseException:
+        return engine_failure(exc)
 
 
-class EngineWarmup(SparkJobInBackground):
-    """On a GPU cluster, the engines load while the driver reads, validates and counts the batch: a Spark job of one
-    task per engine slot, in the inference stage's resource profile, run from a driver thread. Loading a large model
-    takes minutes and the GPUs are idle during the prepare stage anyway; inference tasks then find their engine
-    ready. Without GPUs the engines load in the first inference tasks (their cores would be taken from the prepare
-    stage). :meth:`wait` blocks until the engines are up; one that could not start stops the batch there."""
+class EngineWarmup(_EngineJob):
+    """The engines load while the driver reads, validates and counts the batch; loading a model takes from seconds
+    (a small one on a CPU) to minutes (a large one on GPUs), and the engines would otherwise sit idle until then.
 
-    def __init__(self, run: RunContext):
-        self.run = run
+    - GPU clusters: a Spark job of one task per engine slot, in the inference stage's resource profile, run from a
+      driver thread; each task holds its GPUs until their engine is ready, and inference tasks then find it.
+      :meth:`wait` blocks until the engines are up; one that could not start stops the batch there.
+    - Local masters (one executor, on this host): a job of one quick task per CPU slot that starts the slot's engine
+      loading and returns (:func:`~spark_llm.infer.prestart_partition`), so the prepare stage keeps every task
+      slot; the first inference task of a slot waits for its engine.
+    - Other clusters without GPUs: nothing (which executor's slots the inference tasks will take is not known).
+    """
+
+    def __init__(self, run: RunContext, blocking: bool):
+        self.run, self.blocking = run, blocking
         super().__init__(run.spark, "spark_llm-warmup", self._load)
 
     @classmethod
     def start(cls, run: RunContext) -> Optional["EngineWarmup"]:
-        return cls(run) if has_gpus(spark_conf(run.spark)) else None
+        conf = spark_conf(run.spark)
+        if has_gpus(conf):
+            return cls(run, blocking=True)
+        return cls(run, blocking=False) if is_local_master(conf) else None
 
     def _load(self) -> None:
         run = self.run
         run.describe("load the engines")
         slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
         ictx = _infer_context(run, Numbering())
+        body = warm_partition if self.blocking else prestart_partition
         started = (run.spark.range(0, slots, 1, numPartitions=slots)
-                   .mapInPandas(lambda it: warm_partition(it, ictx), "slot string, started boolean",
+                   .mapInPandas(lambda it: body(it, ictx), "slot string, started boolean",
                                 profile=run.gpu_profile).collect())  # one small row per engine slot
-        log.info("batch %s: engines ready on %s", run.batch_id, ", ".join(sorted(r["slot"] for r in started)))
+        names = ", ".join(sorted(r["slot"] for r in started))
+        if self.blocking:
+            log.info("batch %s: engines ready on %s", run.batch_id, names)
+        else:
+            log.info("batch %s: engines loading on %s", run.batch_id, names)
+
+    @classmethod
+    @contextlib.contextmanager
+    def started(cls, run: RunContext) -> Iterator[Optional["EngineWarmup"]]:
+        """:meth:`start`, closed when the block ends."""
+        warmup = cls.start(run)
+        try:
+            yield warmup
+        finally:
+            if warmup is not None:
+                warmup.close()
 
     def close(self) -> None:
         """Stop waiting for engines nothing will use (no request left to infer, or the run failed before)."""
@@ -119,10 +132,14 @@ class EngineWarmup(SparkJobInBackground):
 
 
 def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
+    conf = spark_conf(run.spark)
+    local_cpu = is_local_master(conf) and not has_gpus(conf)
     return InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
                         batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics,
                         journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
-                        partition_offset=numbering.partitions)
+                        partition_offset=numbering.partitions,
+                        cpu_slots=task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
+                        if local_cpu else None)
 
 
 @dataclass(frozen=True)
@@ -216,7 +233,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     return {**plan.as_dict(), "waves": len(waves)}
 
 
-class _WaveJob(SparkJobInBackground):
+class _WaveJob(_EngineJob):
     """One wave's inference, a Spark job of its own, its results staged as Parquet."""
 
     def __init__(self, run: RunContext, assigned: DataFrame, wave: Wave, ictx: InferContext):
@@ -242,8 +259,7 @@ def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[dict]:
         raise RuntimeError(f"wave {wave.label}: {got.rows} results for {planned} planned requests; nothing of this "
                            f"wave was committed, rerun with --resume")
     run.describe(f"commit wave {wave.label}")
-    write.commit_results(run, staged, responses=got.ok, errors=got.errors)
-    write.commit_metrics(run, records, plan.task_slots)
+    write.commit_wave(run, staged, got.ok, got.errors, records, plan.task_slots)
     log.info("batch %s: wave %s committed (%d partitions)", run.batch_id, wave.label, wave.count)
     faults.maybe_exit_after_wave(wave.number)
     return records
@@ -261,7 +277,7 @@ def _staged_outcomes(staged: DataFrame) -> tuple[Outcomes, list[dict]]:
 _ENGINE_ERR = re.compile(r"EngineStartError: (.+?)(?:\n|$)")
 
 
-def engine_failure(exc: Exception) -> Exception:
+def engine_failure(exc: BaseException) -> BaseException:
     """An executor-side engine start failure as one clear driver-side error; other failures as they are."""
     match = _ENGINE_ERR.search(str(exc))
     return EngineStartError(match.group(1)) if match else exc

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import logging
 
+from dataclasses import replace
+from typing import Callable
+
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from . import storage
+from .background import SparkJobInBackground
 from .config import ConfigError
 from .context import RunContext
 from .errors import ErrorCode
@@ -21,8 +25,10 @@ from .schemas import EMBEDDINGS_COLUMNS, ERRORS_COLUMNS, METRICS_COLUMNS, OUTPUT
 log = logging.getLogger(__name__)
 
 
-def prepare_destination(run: RunContext) -> None:
-    """Output dir and tables ready: refuse to clobber earlier results unless told to overwrite or resume."""
+def prepare_destination(run: RunContext) -> RunContext:
+    """Output dir and tables ready: refuse to clobber earlier results unless told to overwrite or resume. The tables
+    are created (or given the columns a newer spark_llm adds) in the background, while the batch is prepared;
+    returns the run with that under way (every read and write of the tables waits for it)."""
     spark, cfg, paths = run.spark, run.cfg, run.paths
     if cfg.resume:
         storage.mkdirs(spark, paths.output_dir)
@@ -34,13 +40,29 @@ def prepare_destination(run: RunContext) -> None:
                     raise ConfigError(f"table {table} already holds rows of batch {run.batch_id!r}; pass --resume "
                                       f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
                 storage.delete_rows(spark, table, run.batch_id)
-    storage.ensure_table(spark, paths.outputs_table, OUTPUTS_COLUMNS)
-    storage.ensure_table(spark, paths.errors_table, ERRORS_COLUMNS)
+    tables = [(paths.outputs_table, OUTPUTS_COLUMNS), (paths.errors_table, ERRORS_COLUMNS)]
     if run.has_embeddings:
-        storage.ensure_table(spark, paths.embeddings_table, EMBEDDINGS_COLUMNS)
+        tables.append((paths.embeddings_table, EMBEDDINGS_COLUMNS))
+
+    def create() -> None:
+        for table, columns in tables:
+            storage.ensure_table(spark, table, columns)
+    return replace(run, table_writes=SparkJobInBackground(spark, "spark_llm-tables", create))
+
+
+def wait_for_writes(run: RunContext, quietly: bool = False) -> None:
+    """Wait for the writes under way (see :attr:`RunContext.table_writes`); raise what failed, unless ``quietly``
+    (a run that failed already: its tables are still made, its own error is the one to report)."""
+    if run.table_writes is not None:
+        try:
+            run.table_writes.wait()
+        except Exception:
+            if not quietly:
+                raise
 
 
 def _batch_rows(run: RunContext, table: str, version: int | None = None) -> DataFrame:
+    wait_for_writes(run)
     return storage.read_table(run.spark, table, version).where(F.col("batch_id") == run.batch_id)
 
 
@@ -97,28 +119,48 @@ def embedding_rows(results: DataFrame, run: RunContext) -> DataFrame:
 
 
 def insert_errors(run: RunContext, rows: DataFrame) -> None:
+    wait_for_writes(run)
     storage.insert_new(rows, run.paths.errors_table, ERRORS_COLUMNS, run.batch_id)
 
 
-def commit_results(run: RunContext, results: DataFrame, responses: int, errors: int) -> None:
-    """One wave's inference results (``responses`` + ``errors`` rows) into both tables: one MERGE each, none for
-    a table that gets no rows."""
+def insert_errors_meanwhile(run: RunContext, rows: DataFrame) -> RunContext:
+    """:func:`insert_errors` in the background (validation errors, while the requests infer); returns the run
+    whose later reads and writes of the tables wait for it."""
+    return replace(run, table_writes=SparkJobInBackground(run.spark, "spark_llm-errors",
+                                                          lambda: insert_errors(run, rows)))
+
+
+def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int, records: list[dict],
+                task_slots: int) -> None:
+    """One wave's inference results (``responses`` + ``errors`` rows) into their tables and its partitions' records
+    into the metrics table: one write per table (none for a table that gets no rows), all at once, since writes
+    of different tables do not conflict."""
+    wait_for_writes(run)
+    writes: list[Callable[[], None]] = []
     if responses:
-        storage.insert_new(output_rows(results, run), run.paths.outputs_table, OUTPUTS_COLUMNS, run.batch_id)
+        writes.append(lambda: storage.insert_new(output_rows(results, run), run.paths.outputs_table,
+                                                 OUTPUTS_COLUMNS, run.batch_id))
         if run.cfg.runner == "pooling":  # the model this wave ran on
-            storage.insert_new(embedding_rows(results, run), run.paths.embeddings_table, EMBEDDINGS_COLUMNS,
-                               run.batch_id)
+            writes.append(lambda: storage.insert_new(embedding_rows(results, run), run.paths.embeddings_table,
+                                                     EMBEDDINGS_COLUMNS, run.batch_id))
     if errors:
-        insert_errors(run, error_rows(results, run))
+        writes.append(lambda: insert_errors(run, error_rows(results, run)))
+    if records:
+        writes.append(lambda: commit_metrics(run, records, task_slots))
+    others = [SparkJobInBackground(run.spark, f"spark_llm-commit-{n}", w) for n, w in enumerate(writes[1:])]
+    try:
+        if writes:
+            writes[0]()
+    finally:
+        for other in others:
+            other.wait()
 
 
 def commit_metrics(run: RunContext, records: list[dict], task_slots: int) -> None:
     """A committed wave's partition records (one small row each) into the metrics table, so that the table, the
     report and batch.json describe every run of the batch, including one that crashed after this wave."""
-    if records:
-        storage.append_records(run.spark, [{**r, "batch_id": run.batch_id, "run_id": run.run_id,
-                                            "task_slots": task_slots} for r in records],
-                               run.paths.metrics_table, METRICS_COLUMNS)
+    storage.append_records(run.spark, [{**r, "batch_id": run.batch_id, "run_id": run.run_id, "task_slots": task_slots}
+                                       for r in records], run.paths.metrics_table, METRICS_COLUMNS)
 
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------

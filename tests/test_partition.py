@@ -7,7 +7,8 @@ import random
 from pyspark import StorageLevel
 from pyspark.sql import functions as F
 
-from spark_llm.partition import PART_COL, balance, estimate_cost, num_partitions, plan_partitions
+from spark_llm.partition import PART_COL, balance, num_partitions, plan_partitions
+from spark_llm.tokens import estimated_tokens
 
 
 def test_num_partitions_rounds_to_task_slots():
@@ -27,10 +28,11 @@ def skewed_requests(spark, n=3000, seed=7):
         if i < 100:
             plen = 3000
         mt = rng.choice([16, 64, 256])
-        rows.append((f"r{i}", [[rng.randrange(50) for _ in range(3)]], plen, mt, '{"n": 2}' if i % 50 == 0 else "{}"))
+        rows.append((f"r{i}", [[rng.randrange(50) for _ in range(3)]], plen, mt,
+                     estimated_tokens(plen, 1, {"n": 2} if i % 50 == 0 else {}, mt)))
     df = spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, prompt_tokens long, "
-                                     "max_tokens long, sampling_json string")
-    return estimate_cost(df.repartition(3)).persist(StorageLevel.MEMORY_AND_DISK)
+                                     "max_tokens long, est_tokens long")
+    return df.repartition(3).persist(StorageLevel.MEMORY_AND_DISK)
 
 
 def test_balance_evens_out_estimated_tokens(spark):
@@ -57,9 +59,9 @@ def test_balance_evens_out_estimated_tokens(spark):
 
 
 def test_rows_sharing_a_prefix_are_adjacent(spark):
-    rows = [(f"r{i}", [[1, 2, 3, i % 3] + [i]], 5, 10, "{}") for i in range(30)]
-    df = estimate_cost(spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, "
-                                                   "prompt_tokens long, max_tokens long, sampling_json string"))
+    rows = [(f"r{i}", [[1, 2, 3, i % 3] + [i]], 5, 10, 15) for i in range(30)]
+    df = spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, prompt_tokens long, "
+                                     "max_tokens long, est_tokens long")
     df = df.persist()
     try:
         out, plan = balance(df, target_tokens=10_000, slots=1, order_col="custom_id")
@@ -76,10 +78,11 @@ def test_requests_sharing_a_prefix_share_a_partition_and_stay_balanced(spark):
     rows = []
     for i in range(800):
         g = rng.randrange(8)
-        rows.append((f"r{i}", [prefixes[g] + [rng.randrange(50) for _ in range(rng.randint(1, 20))]], g,
-                     40 + rng.randint(1, 20), 16, "{}"))
-    df = estimate_cost(spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, g int, "
-                                                   "prompt_tokens long, max_tokens long, sampling_json string"))
+        extra = rng.randint(1, 20)
+        rows.append((f"r{i}", [prefixes[g] + [rng.randrange(50) for _ in range(extra)]], g, 40 + extra, 16,
+                     40 + extra + 16))
+    df = spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, g int, "
+                                     "prompt_tokens long, max_tokens long, est_tokens long")
     df = df.persist()
     try:
         spread, total = {}, df.agg(F.sum("est_tokens")).first()[0]

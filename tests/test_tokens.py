@@ -96,3 +96,21 @@ def test_token_id_prompts_outside_the_vocabulary(tok, tiny_model):
     ctx = TokenContext(tiny_model, max_model_len=128, context_overflow="error")
     res = count_row(tok, "completion", completion([1, 2, 10**6]), json.dumps({"max_tokens": 4}), ctx)
     assert res["error_code"] == "invalid_request" and "vocabulary" in res["error_message"]
+
+
+def test_later_processes_load_the_tokenizer_class_autotokenizer_chose_without_torch(tiny_model, tmp_path):
+    """AutoTokenizer imports torch to decide; its choice is recorded on the host, so the next process loads that
+    class directly: the same tokenizer, the same token ids, and no torch in a process that only counts tokens."""
+    import subprocess
+    import sys
+
+    probe = ("import json, sys; from spark_llm.tokens import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+             "print(json.dumps([type(t).__name__, 'torch' in sys.modules, t.encode(t.apply_chat_template("
+             "[{'role': 'user', 'content': 'hello 世界'}], tokenize=False, add_generation_prompt=True), "
+             "add_special_tokens=False)]))")
+    env = {**__import__("os").environ, "SPARK_LLM_MODEL_CACHE": str(tmp_path)}
+    first, second = (json.loads(subprocess.run([sys.executable, "-c", probe, tiny_model], env=env, check=True,
+                                               capture_output=True, text=True).stdout) for _ in range(2))
+    assert first[1] and not second[1]  # AutoTokenizer brought torch; the recorded class did not
+    assert first[0] == second[0] and first[2] == second[2] and len(first[2]) > 5
+    assert len(list(tmp_path.glob("tokenizer-class-*.txt"))) == 1
