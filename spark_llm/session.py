@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
 import warnings
+from pathlib import Path
 from typing import Mapping, Optional
 
 from pyspark.sql import SparkSession
@@ -26,6 +28,11 @@ LOCAL_DEFAULTS = {
     "spark.sql.sources.partitionOverwriteMode": "dynamic",
     "spark.driver.memory": "2g",
 }
+#: JVM options of a local session's driver (which is also its executor): the client compiler only. A short run
+#: otherwise spends more CPU time in the JIT's optimising compiler than in Spark's own work, on the same cores as
+#: the engines; the work a local JVM does (reading, shuffles, Delta commits) is small beside the engines'. Options
+#: given in spark.driver.extraJavaOptions come after these, so ``-XX:TieredStopAtLevel=4`` there restores C2.
+LOCAL_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
 #: Environment of a local session's Python workers besides the engine's own (engine.WORKER_ENV_DEFAULTS): this
 #: interpreter, and a 1 GiB KV cache when vLLM runs on the CPU (the CPU build reads this variable, GPU builds do
 #: not).
@@ -43,7 +50,8 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
                 app_name: str = "spark_llm", remote: Optional[str] = None) -> SparkSession:
     """The active session if there is one (Databricks, notebooks); under spark-submit the session its command line
     describes (plus Delta's SQL extension); else a new local one (``master`` default ``local[2]``) that pulls
-    Delta's jars from Maven Central through ``spark.jars.packages`` and runs its Python workers on this interpreter,
+    Delta's jars from Maven Central through ``spark.jars.packages`` (the first time; then the jars it resolved)
+    and runs its Python workers on this interpreter,
     with the engine's worker environment (set in this process's environment where not already set, since local
     workers inherit it).
 
@@ -74,14 +82,54 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
         builder = SparkSession.builder.appName(app_name).remote(with_task_retries(remote))
     else:
         builder = SparkSession.builder.appName(app_name).master(with_task_retries(master or "local[2]"))
+    settings["spark.driver.extraJavaOptions"] = " ".join(
+        [LOCAL_JAVA_OPTIONS, *([settings["spark.driver.extraJavaOptions"]] if "spark.driver.extraJavaOptions" in settings
+                               else [])])
+    only_delta = not {"spark.jars", "spark.jars.packages"} & set(settings)  # no jars of the caller's own
+    recorded = _recorded_delta_jars() if only_delta else None
+    if recorded:
+        settings["spark.jars"] = recorded
     for key, value in settings.items():
         builder = builder.config(key, value)
     with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
         warnings.simplefilter("ignore", UserWarning)
-        spark = configure_spark_with_delta_pip(builder).getOrCreate()
+        packages = [p for p in settings.get("spark.jars.packages", "").split(",") if p]
+        spark = (builder if recorded else configure_spark_with_delta_pip(builder, packages)).getOrCreate()
+    if only_delta and not recorded:
+        _record_delta_jars(spark.conf.get("spark.jars", "") or "")
     if not remote:
         spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def _delta_jars_record() -> Path:
+    import pyspark
+    from importlib.metadata import version
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spark_llm"
+    return cache / f"delta-spark-{version('delta-spark')}-spark-{pyspark.__version__}.jars"
+
+
+def _recorded_delta_jars() -> Optional[str]:
+    """The Delta jars a local session resolved before (``spark.jars``), while every one is still on disk: Ivy's
+    resolution of ``spark.jars.packages`` costs every session start seconds, even with every jar in its cache."""
+    try:
+        jars = _delta_jars_record().read_text().strip()
+    except OSError:
+        return None
+    paths = [j[len("file:"):].lstrip("/") for j in jars.split(",")]
+    return jars if jars and all(os.path.isfile("/" + p) for p in paths) else None
+
+
+def _record_delta_jars(jars: str) -> None:
+    if "delta-spark" not in jars:
+        return
+    with contextlib.suppress(OSError):  # only a cache: the next session resolves them again
+        record = _delta_jars_record()
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+        tmp.write_text(jars + "\n")
+        os.replace(tmp, record)
 
 
 def is_connect(spark: SparkSession) -> bool:
@@ -95,6 +143,11 @@ def spark_conf(spark: SparkSession) -> dict[str, str]:
     if is_connect(spark):
         return dict(spark.conf.getAll)
     return dict(spark.sparkContext.getConf().getAll())
+
+
+def is_local_master(spark_conf: Mapping[str, str]) -> bool:
+    """The session runs in one process (``local``, ``local[N]``, ``local[N,F]``): its executor is on this host."""
+    return re.fullmatch(r"local(\[[^\]]*\])?", spark_conf.get("spark.master", "").strip()) is not None
 
 
 def default_parallelism(spark: SparkSession) -> int:
