@@ -132,6 +132,15 @@ def run_from_args(args: argparse.Namespace) -> int:
     from .errors import EngineStartError
     from .session import get_session
 
+    if planning and _plans_locally(args, config):
+        from .plan import plan_local
+
+        try:
+            print(plan_local(config, args.master, args.tokens_per_second).summary())
+        except ConfigError as exc:
+            print(f"spark-llm: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     spark = get_session(master=args.master, conf=spark_conf, remote=args.remote)
     try:
         if planning:
@@ -156,6 +165,19 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 3
     print(result.summary())
     return 0
+
+
+def _plans_locally(args: argparse.Namespace, config: BatchConfig) -> bool:
+    """``spark-llm plan`` of a small local JSONL input on a local master: planned in this process, without
+    starting Spark (see :func:`~spark_llm.plan.plan_local`)."""
+    import os
+
+    from .plan import LOCAL_PLAN_BYTES, local_input_bytes
+
+    if args.remote or "PYSPARK_GATEWAY_PORT" in os.environ or not (args.master or "local").startswith("local"):
+        return False
+    size = local_input_bytes(config)
+    return size is not None and size <= LOCAL_PLAN_BYTES
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -8,9 +8,13 @@ engine time from a tokens/s figure: given, or measured by earlier runs (their me
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -19,7 +23,7 @@ from . import storage
 from .config import BatchConfig, ConfigError
 from .context import RunPaths
 from .engine import check_adapters, resolve, resolve_models
-from .partition import estimate_cost, num_partitions, task_slots
+from .partition import num_partitions, task_slots
 from .prepare import prepare
 
 
@@ -72,42 +76,115 @@ def measured_tokens_per_second(spark: SparkSession, metrics_table: str) -> Optio
     return float(row["t"]) / float(row["s"]) if row["s"] else None
 
 
+@dataclass(frozen=True)
+class Group:
+    """The prepared rows of one model with one error code (None: the requests that would run)."""
+
+    model: str
+    error_code: Optional[str]
+    rows: int
+    prompt_tokens: int
+    est_tokens: int
+
+
 def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Optional[float] = None) -> BatchPlan:
     """The dry run of ``config``: nothing is written and no engine starts."""
+    models = _models(config)
+    source = "given"
+    if tokens_per_second is None and models[0].output_dir:
+        tokens_per_second = measured_tokens_per_second(spark, RunPaths.from_config(models[0]).metrics_table)
+        source = "measured by earlier runs"
+    # one aggregate over the prepared rows: per model and error code (null: the valid requests) the rows and their
+    # tokens
+    rows = (prepare(spark, models).groupBy("model", "error_code")
+            .agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("prompt"),
+                 F.sum("est_tokens").alias("est")).collect())  # a row per model and error code: metadata
+    groups = [Group(r["model"], r["error_code"], int(r["n"]), int(r["prompt"] or 0), int(r["est"] or 0))
+              for r in rows]
+    return _plan(groups, models, lambda m: task_slots(spark, m.num_task_slots, m.tensor_parallel_size),
+                 tokens_per_second, source)
+
+
+#: Largest input the dry run reads in its own process (:func:`plan_local`); a larger one is planned on Spark,
+#: whose tasks validate and count it in parallel.
+LOCAL_PLAN_BYTES = 64 << 20
+
+
+def plan_local(config: BatchConfig, master: Optional[str] = None,
+               tokens_per_second: Optional[float] = None) -> BatchPlan:
+    """:func:`plan_batch` for JSONL files on this machine, in this process: the same reading, validation, duplicate
+    and token-counting rules over pandas, without starting Spark (a cold JVM costs more than the work of a small
+    batch). ``master``: the local master a run would use (its task slots). The tokens/s figure of earlier runs
+    comes from the last batch.json in the output directory."""
+    from .prepare import local_groups
+
+    models = _models(config)
+    source = "given"
+    if tokens_per_second is None and models[0].output_dir:
+        tokens_per_second = _batch_json_tokens_per_second(RunPaths.from_config(models[0]).batch_file)
+        source = "measured by earlier runs"
+    cores = local_cores(master or "local[2]")
+    groups = [Group(**g) for g in local_groups(models)]
+    return _plan(groups, models, lambda m: m.num_task_slots or cores, tokens_per_second, source)
+
+
+def local_input_bytes(config: BatchConfig) -> Optional[int]:
+    """Bytes of the input when :func:`plan_local` can plan it: JSONL files (not compressed) on this machine, not a
+    Delta table or a catalog table; else None."""
+    from .read import local_files
+
+    files = local_files(config.input) if config.input and not config.input_table else None
+    return sum(os.path.getsize(f[len("file://"):]) for f in files) if files else None
+
+
+def local_cores(master: str) -> int:
+    """Task slots of a local master: ``local[N]`` (or ``local[N,F]``) N, ``local[*]`` the machine's cores."""
+    match = re.fullmatch(r"local(?:\[([0-9]+|\*)(?:,[0-9]+)?\])?", master.strip())
+    if not match:
+        raise ConfigError(f"--master {master!r} is not a local master (local, local[N], local[*])")
+    n = match.group(1) or "1"
+    return os.cpu_count() or 1 if n == "*" else int(n)
+
+
+def _batch_json_tokens_per_second(path: str) -> Optional[float]:
+    try:
+        plan = json.loads(Path(path.removeprefix("file:")).read_text()).get("partition_plan") or {}
+    except (OSError, ValueError):
+        return None
+    value = plan.get("engine_tokens_per_second")
+    return float(value) if value else None
+
+
+def _models(config: BatchConfig) -> tuple[BatchConfig, ...]:
     config.require("model")
     if not (config.input or config.input_table):
         raise ConfigError("no input: set --input (JSONL files or a Delta table path) or --input-table")
     models = resolve_models(resolve(config))
-    cfg = models[0]
     for model in models:
         check_adapters(model.lora_modules, model.max_lora_rank)
-    source = "given"
-    if tokens_per_second is None and cfg.output_dir:
-        tokens_per_second = measured_tokens_per_second(spark, RunPaths.from_config(cfg).metrics_table)
-        source = "measured by earlier runs"
-    # one aggregate over the prepared rows: per model and error code (null: the valid requests) the rows and their
-    # tokens
-    groups = (estimate_cost(prepare(spark, models)).groupBy("model", "error_code")
-              .agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("prompt"),
-                   F.sum("est_tokens").alias("est")).collect())  # a row per model and error code: metadata
+    return models
+
+
+def _plan(groups: list[Group], models: tuple[BatchConfig, ...], slots_of: Callable[[BatchConfig], int],
+          tokens_per_second: Optional[float], source: str) -> BatchPlan:
+    """The plan from the prepared rows' groups: each model is planned and run on its own (waves.infer_models)."""
     errors: dict[str, int] = {}
-    for r in groups:
-        if r["error_code"] is not None:
-            errors[r["error_code"]] = errors.get(r["error_code"], 0) + int(r["n"])
-    valid = {r["model"]: r for r in groups if r["error_code"] is None}
-    totals = {key: sum(int(r[key] or 0) for r in valid.values()) for key in ("n", "prompt", "est")}
-    slots = task_slots(spark, cfg.num_task_slots, cfg.tensor_parallel_size)
+    for g in groups:
+        if g.error_code is not None:
+            errors[g.error_code] = errors.get(g.error_code, 0) + g.rows
+    valid = {g.model: g for g in groups if g.error_code is None}
+    requests = sum(g.rows for g in valid.values())
+    prompt = sum(g.prompt_tokens for g in valid.values())
+    est = sum(g.est_tokens for g in valid.values())
     partitions = waves = 0
-    for model in models:  # each model is planned and run on its own (waves.infer_models)
-        row = valid.get(model.served_model_name)
-        if row is not None:
-            model_slots = task_slots(spark, model.num_task_slots, model.tensor_parallel_size)
-            parts = num_partitions(int(row["est"] or 0), model.target_tokens_per_partition, model_slots)
+    for model in models:
+        g = valid.get(model.served_model_name)
+        if g is not None:
+            slots = slots_of(model)
+            parts = num_partitions(g.est_tokens, model.target_tokens_per_partition, slots)
             partitions += parts
-            waves += math.ceil(parts / (model.wave_partitions or 2 * model_slots))
-    totals["requests"] = totals["n"]
-    return BatchPlan(lines=int(totals["requests"]) + sum(errors.values()), requests=int(totals["requests"]),
-                     errors_by_code=errors, prompt_tokens=int(totals["prompt"] or 0),
-                     max_output_tokens=int(totals["est"] or 0) - int(totals["prompt"] or 0), partitions=partitions,
-                     task_slots=slots, waves=waves,
-                     tokens_per_second=tokens_per_second, tokens_per_second_source=source if tokens_per_second else "")
+            waves += math.ceil(parts / (model.wave_partitions or 2 * slots))
+    return BatchPlan(lines=requests + sum(errors.values()), requests=requests, errors_by_code=errors,
+                     prompt_tokens=prompt, max_output_tokens=est - prompt, partitions=partitions,
+                     task_slots=slots_of(models[0]), waves=waves, tokens_per_second=tokens_per_second,
+                     tokens_per_second_source=source if tokens_per_second else "")

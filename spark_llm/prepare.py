@@ -35,6 +35,45 @@ def prepare(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
     return with_line_ids(tokenized, cfg.batch_id or "")
 
 
+def local_groups(models: Sequence[BatchConfig]) -> list[dict]:
+    """:func:`prepare` of local JSONL files (:func:`~spark_llm.read.local_files`) in this process, for the dry run:
+    the same validation, duplicate and token-counting rules, a chunk of lines at a time (only the custom_ids seen
+    are kept); returns per model and error code (None: the requests that would run) the rows and their prompt and
+    estimated tokens."""
+    from .read import local_files, local_lines
+
+    cfg = models[0]
+    vctx = ValidationContext.of_models(models)
+    tctx = {m.served_model_name: config_view(TokenContext, m) for m in models}
+    seen: set[str] = set()
+    groups: dict[tuple, list[int]] = {}
+    for lines in local_lines(local_files(cfg.input or "") or [], cfg.max_line_bytes):
+        for validated in validate_batches(iter([lines]), vctx):
+            mark_duplicates_in_order(validated, seen)
+            for counted in count_batches(iter([validated]), tctx):
+                for model, code, prompt, est in zip(counted["model"], counted["error_code"],
+                                                    counted["prompt_tokens"], counted["est_tokens"]):
+                    g = groups.setdefault((model, code), [0, 0, 0])
+                    g[0] += 1
+                    g[1] += 0 if code is not None or prompt is None else int(prompt)
+                    g[2] += 0 if code is not None or est is None else int(est)
+    return [{"model": m, "error_code": c, "rows": n, "prompt_tokens": p, "est_tokens": e}
+            for (m, c), (n, p, e) in groups.items()]
+
+
+def mark_duplicates_in_order(pdf, seen: set[str]) -> None:
+    """:func:`mark_duplicates` for lines that come in (file, line number) order: a line claiming a custom_id in
+    ``seen`` is a duplicate (in place); the others add theirs to ``seen``."""
+    codes = pdf.columns.get_loc("error_code")
+    for i, (cid, code) in enumerate(zip(pdf["custom_id"], pdf["error_code"])):
+        if cid is None or code in LINE_LEVEL_CODES:
+            continue
+        if cid in seen:
+            pdf.iat[i, codes] = ErrorCode.DUPLICATE_CUSTOM_ID.value
+        else:
+            seen.add(cid)
+
+
 @dataclass(frozen=True)
 class Outcomes:
     """How many rows a frame of requests or results holds, and how many of them are errors."""
@@ -62,24 +101,25 @@ def check_size(counts: Outcomes, cfg: BatchConfig) -> None:
 
 def mark_duplicates(df: DataFrame) -> DataFrame:
     """The first line (by file, line number) of each custom_id keeps its fate; later lines become
-    duplicate_custom_id errors that name the first line."""
+    duplicate_custom_id errors that name the first line. One pass over ``df``: lines that claim no custom_id (none,
+    or one recovered from a broken line) each form a group of their own."""
     claims = F.col("custom_id").isNotNull() & ~F.coalesce(F.col("error_code").isin(*LINE_LEVEL_CODES), F.lit(False))
-    with_id = df.where(claims)
-    w = Window.partitionBy("custom_id").orderBy("file", "line_number")
-    ranked = (with_id.withColumn("_rank", F.row_number().over(w))
+    group = F.when(claims, F.concat(F.lit("c"), F.col("custom_id"))).otherwise(
+        F.concat(F.lit("l"), F.col("file"), F.lit(":"), F.col("line_number").cast("string")))
+    w = Window.partitionBy(group).orderBy("file", "line_number")
+    ranked = (df.withColumn("_rank", F.row_number().over(w))
               .withColumn("_first_line", F.first("line_number").over(w))
               .withColumn("_first_file", F.first("file").over(w)))
     dup = F.col("_rank") > 1
     message = F.concat(F.lit("custom_id is already used by line "), F.col("_first_line").cast("string"),
                        F.when(F.col("_first_file") != F.col("file"), F.concat(F.lit(" of "), F.col("_first_file")))
                        .otherwise(F.lit("")), F.lit("; only the first occurrence runs"))
-    marked = ranked.select(
-        *[c for c in df.columns if c not in ("error_code", "error_message", "raw_line")],
-        F.when(dup, F.lit(ErrorCode.DUPLICATE_CUSTOM_ID.value)).otherwise(F.col("error_code")).alias("error_code"),
-        F.when(dup, message).otherwise(F.col("error_message")).alias("error_message"),
-        F.when(dup, F.coalesce(F.col("raw_line"), F.col("request"))).otherwise(F.col("raw_line")).alias("raw_line"),
-    )
-    return marked.select(df.columns).unionByName(df.where(~claims))
+    marked = {
+        "error_code": F.when(dup, F.lit(ErrorCode.DUPLICATE_CUSTOM_ID.value)).otherwise(F.col("error_code")),
+        "error_message": F.when(dup, message).otherwise(F.col("error_message")),
+        "raw_line": F.when(dup, F.coalesce(F.col("raw_line"), F.col("request"))).otherwise(F.col("raw_line")),
+    }
+    return ranked.select([marked[c].alias(c) if c in marked else F.col(c) for c in df.columns])
 
 
 def with_line_ids(df: DataFrame, batch_id: str) -> DataFrame:

@@ -8,9 +8,11 @@ numbers are computed without a driver collect: each row's position inside its fi
 
 from __future__ import annotations
 
+import glob
 import logging
-
-from typing import Iterable, Iterator
+import os
+import urllib.parse
+from typing import Iterable, Iterator, Optional
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -129,11 +131,11 @@ def _chunks(uri: str, size: int = 8 << 20) -> Iterator[bytes]:
 
 def split_lines(chunks: Iterable[bytes], max_line_bytes: int, keep: int) -> Iterator[tuple]:
     """``(value, line_number, line_bytes)`` per line of a byte stream, as Hadoop's line reader splits it (LF, CRLF and
-    a lone CR end a line; no empty line after a final line end); a line over ``max_line_bytes`` is kept as its first
-    ``keep`` bytes with its size, never held whole."""
+    a lone CR end a line; no empty line after a final line end; a UTF-8 byte order mark at the start dropped); a line
+    over ``max_line_bytes`` is kept as its first ``keep`` bytes with its size, never held whole."""
     part = bytearray()
     size, number, after_cr = 0, 0, False
-    for chunk in chunks:
+    for chunk in _without_bom(chunks):
         i, n = 0, len(chunk)
         if after_cr and n:
             after_cr = False
@@ -166,10 +168,79 @@ def split_lines(chunks: Iterable[bytes], max_line_bytes: int, keep: int) -> Iter
         yield _line(part, size, number, max_line_bytes, keep)
 
 
+def _without_bom(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """A byte stream without the UTF-8 byte order mark it may open with (Hadoop's line reader drops it too)."""
+    it = iter(chunks)
+    head = b""
+    for chunk in it:
+        head += chunk
+        if len(head) >= 3:
+            break
+    if head.startswith(b"\xef\xbb\xbf"):
+        head = head[3:]
+    if head:
+        yield head
+    yield from it
+
+
 def _line(part: bytearray, size: int, number: int, max_line_bytes: int, keep: int) -> tuple:
     if size > max_line_bytes:
         return bytes(part[:keep]), number, size
     return bytes(part), number, None
+
+
+# ---- local files, read in this process (the dry run of a small local batch: no Spark) -----------------------
+
+def local_files(path: str) -> Optional[list[str]]:
+    """The files ``path`` names when it is JSONL on this machine, as Spark lists them (a file; a directory's files,
+    recursively, hidden ``_`` / ``.`` names skipped; a glob), sorted as their URIs; None when Spark must read it (a
+    remote filesystem, a Delta table, compressed files, a Hadoop glob with braces)."""
+    if path.startswith("file:"):
+        path = "/" + path[len("file:"):].lstrip("/")
+    elif "://" in path or "{" in path:
+        return None
+    roots = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
+    files: list[str] = []
+    for root in roots:
+        if os.path.isdir(root):
+            if os.path.isdir(os.path.join(root, "_delta_log")):
+                return None
+            for parent, dirs, names in os.walk(root):
+                dirs[:] = [d for d in dirs if not _hidden(d)]
+                files.extend(os.path.join(parent, n) for n in names if not _hidden(n))
+        elif os.path.isfile(root):
+            files.append(root)
+    if any(f.lower().endswith(_COMPRESSED) for f in files):
+        return None
+    return sorted(_hadoop_uri(f) for f in files)
+
+
+def _hadoop_uri(path: str) -> str:
+    """A local file as Spark names it (``_metadata.file_path``): ``file:/abs/path``, URI-quoted."""
+    return "file:" + urllib.parse.quote(os.path.abspath(path), safe="/=:@!$&'()*+,;~")
+
+
+def _hidden(name: str) -> bool:
+    """Names Spark's file listing skips."""
+    return name.startswith(".") or (name.startswith("_") and "=" not in name) or name.endswith("._COPYING_")
+
+
+def local_lines(files: list[str], max_line_bytes: int, rows: int = 4096) -> Iterator:
+    """The raw lines of local ``files`` (URIs, in order) as :func:`read_lines` gives them (``value``, ``file``,
+    ``line_number``, ``line_bytes``), in pandas frames of up to ``rows`` lines."""
+    import pandas as pd
+
+    keep = max(_PREVIEW_BYTES, 1)
+    columns = ["value", "file", "line_number", "line_bytes"]
+    batch: list[tuple] = []
+    for file in files:
+        for value, number, size in split_lines(_chunks(file), max_line_bytes, keep):
+            batch.append((value, file, number, size))
+            if len(batch) >= rows:
+                yield pd.DataFrame(batch, columns=columns)
+                batch = []
+    if batch:
+        yield pd.DataFrame(batch, columns=columns)
 
 
 def _check_exists(spark: SparkSession, path: str) -> None:

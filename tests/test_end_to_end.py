@@ -288,3 +288,14 @@ def test_dry_run_plans_the_same_batch_without_an_engine_or_writes(spark, run, ti
     assert plan.engine_seconds == (plan.prompt_tokens + plan.max_output_tokens) / 100.0
     assert "engine time" in plan.summary() and "100 tokens/s" in plan.summary()
     assert not untouched.exists() and len(read_events(engine_dir)) == events  # nothing written, no engine started
+
+
+def test_the_local_dry_run_plans_what_the_spark_one_does(spark, shared_run, tiny_model, tmp_path):
+    """The dry run of a small local input runs in the CLI's own process (no JVM); on the shared run's ordinary,
+    hostile and request-shape files it gives the plan the Spark dry run gives."""
+    from spark_llm import plan_batch
+    from spark_llm.plan import plan_local
+
+    cfg = BatchConfig(input=str(shared_run.root / "input"), output_dir=str(tmp_path / "none"),
+                      **engine_settings(tiny_model))
+    assert plan_local(cfg, "local[2]", tokens_per_second=100.0) == plan_batch(spark, cfg, tokens_per_second=100.0)

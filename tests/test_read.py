@@ -51,12 +51,13 @@ def test_the_streaming_reader_splits_lines_as_hadoop_does():
     from spark_llm.read import split_lines
 
     data = b"\xef\xbb\xbfa\r\nb\rc\n\n\rd\r\nlast"
-    expected = [(b"\xef\xbb\xbfa", 1, None), (b"b", 2, None), (b"c", 3, None), (b"", 4, None), (b"", 5, None),
+    expected = [(b"a", 1, None), (b"b", 2, None), (b"c", 3, None), (b"", 4, None), (b"", 5, None),
                 (b"d", 6, None), (b"last", 7, None)]
     for size in (1, 2, 3, 5, 64):  # line ends (a CRLF too) falling across chunk edges
         chunks = [data[i:i + size] for i in range(0, len(data), size)]
-        assert list(split_lines(chunks, max_line_bytes=1024, keep=16)) == expected
+        assert list(split_lines(chunks, max_line_bytes=1024, keep=16)) == expected  # the opening BOM dropped
     assert list(split_lines([b"x\n"], 1024, 16)) == [(b"x", 1, None)]  # no empty line after the last line end
+    assert list(split_lines([b"x\xef\xbb\xbf\n"], 1024, 16)) == [(b"x\xef\xbb\xbf", 1, None)]  # not at the start: kept
 
 
 def test_the_streaming_reader_keeps_only_the_first_bytes_of_an_over_long_line():
@@ -88,3 +89,33 @@ def test_an_over_long_line_is_one_short_row_and_its_neighbours_keep_their_number
     assert {k: v for k, v in rows.items() if k != ("a.jsonl", 2)} == {
         ("a.jsonl", 1): (b"first", None), ("a.jsonl", 3): (b"third", None), ("a.jsonl", 4): (b"", None),
         ("a.jsonl", 5): (b"fifth", None), ("b.jsonl", 1): (b"x", None), ("b.jsonl", 2): (b"y", None)}
+
+
+def test_local_files_are_listed_as_spark_lists_them(tmp_path):
+    """The dry run's own reader (no Spark) takes what Spark's file source would: a file, a directory's files
+    recursively without hidden ones, a glob; Spark keeps what only it reads (remote, Delta, compressed)."""
+    from spark_llm.read import local_files
+
+    for name in ("a.jsonl", "sub/b.jsonl", "_SUCCESS", ".hidden", "sub/.crc", "_skip/c.jsonl", "part=1/d.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}\n")
+    uri = f"file:{tmp_path}"
+    assert local_files(str(tmp_path)) == [f"{uri}/a.jsonl", f"{uri}/part=1/d.jsonl", f"{uri}/sub/b.jsonl"]
+    assert local_files(str(tmp_path / "*.jsonl")) == [f"{uri}/a.jsonl"]
+    assert local_files(f"file:{tmp_path}/a.jsonl") == [f"{uri}/a.jsonl"]
+    assert local_files(str(tmp_path / "missing.jsonl")) == []
+    (tmp_path / "z.jsonl.gz").write_bytes(b"")
+    (tmp_path / "t" / "_delta_log").mkdir(parents=True)
+    assert local_files(str(tmp_path)) is None and local_files(str(tmp_path / "t")) is None
+    assert local_files("s3a://bucket/in.jsonl") is None and local_files(str(tmp_path / "{a,b}.jsonl")) is None
+
+
+def test_local_lines_are_the_lines_spark_reads(spark, tmp_path):
+    from spark_llm.read import local_files, local_lines
+
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbffirst\r\n\nthird \xff\xfe\rlast-no-newline")
+    (tmp_path / "b.jsonl").write_bytes(b"x\ny\n")
+    ours = sorted((r.file, r.line_number, bytes(r.value)) for pdf in local_lines(local_files(str(tmp_path)), 1 << 20)
+                  for r in pdf.itertuples())
+    theirs = sorted((r["file"], r["line_number"], bytes(r["value"])) for r in read_lines(spark, str(tmp_path)).collect())
+    assert ours == theirs and len(ours) == 6
