@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -82,13 +84,13 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
         builder = SparkSession.builder.appName(app_name).remote(with_task_retries(remote))
     else:
         builder = SparkSession.builder.appName(app_name).master(with_task_retries(master or "local[2]"))
-    settings["spark.driver.extraJavaOptions"] = " ".join(
-        [LOCAL_JAVA_OPTIONS, *([settings["spark.driver.extraJavaOptions"]] if "spark.driver.extraJavaOptions" in settings
-                               else [])])
     only_delta = not {"spark.jars", "spark.jars.packages"} & set(settings)  # no jars of the caller's own
     recorded = _recorded_delta_jars() if only_delta else None
     if recorded:
         settings["spark.jars"] = recorded
+    settings["spark.driver.extraJavaOptions"] = " ".join(
+        [LOCAL_JAVA_OPTIONS, *_class_data_sharing(settings),
+         *([settings["spark.driver.extraJavaOptions"]] if "spark.driver.extraJavaOptions" in settings else [])])
     for key, value in settings.items():
         builder = builder.config(key, value)
     with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
@@ -102,12 +104,58 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     return spark
 
 
+def _cache() -> Path:
+    """This user's cache of what local sessions learn once (Delta's jar list, the JVM's class archive)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spark_llm"
+
+
 def _delta_jars_record() -> Path:
     import pyspark
     from importlib.metadata import version
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spark_llm"
-    return cache / f"delta-spark-{version('delta-spark')}-spark-{pyspark.__version__}.jars"
+    return _cache() / f"delta-spark-{version('delta-spark')}-spark-{pyspark.__version__}.jars"
+
+
+def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
+    """JVM options for a class-data-sharing archive of a local session's classes (Spark's, Delta's: some 30,000,
+    which a fresh JVM otherwise reads, inflates and verifies from their jars, the largest part of its start). The
+    first session dumps the classes it loaded when its JVM exits (``-XX:ArchiveClassesAtExit``, a file named for
+    its process); the next one publishes a finished dump and maps it (``-XX:SharedArchiveFile``). The archive is
+    keyed by Java, Spark and the jars; a JVM that finds it does not match its class path ignores it."""
+    import pyspark
+
+    java = os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else \
+        shutil.which("java") or "java"
+    key = hashlib.sha256(repr((os.path.realpath(java), pyspark.__version__, os.path.dirname(pyspark.__file__),
+                               settings.get("spark.jars", ""), settings.get("spark.jars.packages", ""),
+                               settings.get("spark.driver.extraClassPath", ""))).encode()).hexdigest()[:16]
+    cache = _cache()
+    archive = cache / f"jvm-{key}.jsa"
+    quiet = "-Xlog:cds=off -Xlog:cds+dynamic=off"
+    with contextlib.suppress(OSError):
+        cache.mkdir(parents=True, exist_ok=True)
+        for dump in sorted(cache.glob(f"jvm-{key}.*.jsa")):  # earlier sessions' dumps, named for their process
+            owner = int(dump.name.split(".")[-2])
+            if _process_alive(owner):
+                continue
+            if not archive.exists() and dump.stat().st_size > 0:
+                os.replace(dump, archive)
+            else:
+                dump.unlink()
+        if archive.exists():
+            return [f"-XX:SharedArchiveFile={archive}", quiet]
+        return [f"-XX:ArchiveClassesAtExit={cache / f'jvm-{key}.{os.getpid()}.jsa'}", quiet]
+    return []
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _recorded_delta_jars() -> Optional[str]:
