@@ -554,19 +554,18 @@ class _Server:
         ``total`` requests in all) and join the running engine as they come; each result goes back as soon as its
         request finishes (``("results", [(index, result), ...])``), from a thread of its own, so the engine never
         waits for the socket or the task; then ``("done", None)``."""
-        outbox: queue.SimpleQueue = queue.SimpleQueue()
-        sender = _Sender(conn, outbox)
+        sender = _Sender(conn)
         try:
             if self.pooling:  # vLLM's pooling runner takes whole calls only
                 chunk = _receive(conn, total)
-                outbox.put(("results", list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk])))))
+                sender.put(("results", list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk])))))
             else:
-                self._stream(conn, total, outbox, sender)
-            outbox.put(("done", None))
+                self._stream(conn, total, sender)
+            sender.put(("done", None))
         finally:
             sender.close()
 
-    def _stream(self, conn: Any, total: int, outbox: Any, sender: "_Sender") -> None:
+    def _stream(self, conn: Any, total: int, sender: "_Sender") -> None:
         from .infer import is_fatal
 
         engine = self.engine.llm_engine
@@ -581,7 +580,7 @@ class _Server:
                     received += len(chunk)
                     failed = self._enqueue(chunk, flight)
                     if failed:
-                        outbox.put(("results", failed))
+                        sender.put(("results", failed))
                 if not flight:
                     continue
                 try:
@@ -595,12 +594,12 @@ class _Server:
                     rest = [(i, r) for i, r, _ in flight.values()] + _receive(conn, total - received)
                     engine.abort_request([internal for _, _, internal in flight.values()], internal=True)
                     flight.clear()
-                    outbox.put(("results", list(zip([i for i, _ in rest], self.generate([r for _, r in rest])))))
+                    sender.put(("results", list(zip([i for i, _ in rest], self.generate([r for _, r in rest])))))
                     return
-                done = [(index, self._result(out, request[2]))
-                        for out in outs if out.finished for index, request, _ in [flight.pop(out.request_id)]]
+                done = [(entry[0], self._result(out, entry[1][2])) for out in outs if out.finished
+                        for entry in [flight.pop(out.request_id, None)] if entry is not None]
                 if done:
-                    outbox.put(("results", done))
+                    sender.put(("results", done))
         finally:
             if flight:  # a call cut short: its requests must not linger in the engine
                 with contextlib.suppress(Exception):
@@ -682,25 +681,33 @@ class _Server:
 
 
 class _Sender:
-    """Sends a stream's results from a thread of its own, in order; notes when the client has gone."""
+    """Sends a stream's messages from a thread of its own, in order, so the engine never waits for the socket or the
+    task; notes when the client has gone. Messages are pickled by the caller (the engine loop, between steps): the
+    thread only writes bytes, which releases the GIL, so it does not slow the engine down."""
 
-    def __init__(self, conn: Any, outbox: Any):
-        self.conn, self.outbox, self.gone = conn, outbox, False
+    def __init__(self, conn: Any):
+        self.conn, self.gone = conn, False
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="results", daemon=True)
         self.thread.start()
 
+    def put(self, message: Any) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        self.queue.put(bytes(ForkingPickler.dumps(message)))  # what Connection.recv reads
+
     def _run(self) -> None:
-        while (message := self.outbox.get()) is not None:
+        while (payload := self.queue.get()) is not None:
             if self.gone:
                 continue
             try:
-                self.conn.send(message)
+                self.conn.send_bytes(payload)
             except (OSError, EOFError, ValueError):
                 self.gone = True
 
     def close(self) -> None:
         """Send what is queued, then stop."""
-        self.outbox.put(None)
+        self.queue.put(None)
         self.thread.join()
 
 

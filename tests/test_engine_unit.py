@@ -129,3 +129,93 @@ def test_only_the_inference_stage_asks_for_gpus():
     profile = inference_profile({"spark.executor.resource.gpu.amount": "4", "spark.task.cpus": "2"}, 2)
     tasks = profile.taskResources
     assert tasks["gpu"].amount == 2 and tasks["cpus"].amount == 2
+
+
+# ---- the streamed engine call, against a stand-in for vLLM's LLM (the real protocol and server loop) ---------
+
+class FakeLLM:
+    """What the engine server uses of ``vllm.LLM``: ``enqueue`` and the ``llm_engine`` step loop (one request
+    finishes per step, last added first), plus ``generate`` for the isolating fallback. Prompts of ``refused``
+    token ids are rejected when added; ``step_fails`` makes the ``n``-th step raise."""
+
+    def __init__(self, refused=(), step_fails=None):
+        self.refused, self.step_fails, self.steps, self.counter = set(refused), step_fails, 0, 0
+        self.running: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+        self.llm_engine = self
+
+    def enqueue(self, prompts, params, lora_request=None, use_tqdm=False):
+        if any(p["prompt_token_ids"][0] in self.refused for p in prompts):
+            raise ValueError("max_logprobs exceeded")
+        ids = []
+        for p in prompts:
+            self.counter += 1
+            ids.append(f"{self.counter}-abcd1234")  # vLLM's own id: the one added with, a random suffix
+            self.running[str(self.counter)] = p["prompt_token_ids"]
+        return ids
+
+    def step(self):
+        self.steps += 1
+        if self.step_fails == self.steps:
+            raise RuntimeError("a kernel choked")
+        if not self.running:
+            return []
+        rid = sorted(self.running, key=int)[-1]
+        return [_output(rid, self.running.pop(rid))]
+
+    def abort_request(self, ids, internal=False):
+        self.aborted.extend(ids)
+        for i in ids:
+            self.running.pop(i.split("-")[0], None)
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+        return [_output("x", p["prompt_token_ids"]) for p in prompts]
+
+
+def _output(rid, ids):
+    choice = SimpleNamespace(index=0, text=f"t{ids[0]}", token_ids=[7], finish_reason="length", logprobs=None)
+    return SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=ids, outputs=[choice], num_cached_tokens=0)
+
+
+def stream_through(fake, requests):
+    """Stream ``requests`` through an engine server holding ``fake``, over a real connection pair."""
+    import threading
+    from multiprocessing import Pipe
+
+    from spark_llm.engine_service import EngineClient, Slot, _Server
+
+    server = _Server(Slot("cpu-test-0"), "key", 0, 0)
+    server.engine, server.parsers = fake, SimpleNamespace(parse=lambda choice, parse: None)
+    ours, theirs = Pipe()
+    threading.Thread(target=server.handle, args=(theirs,), daemon=True).start()
+    client = EngineClient(Slot("cpu-test-0"), {"pid": 0}, False, _conn=ours)
+    got: list = []
+    client.stream(requests, lambda i, result: got.append((i, result)))
+    return got
+
+
+def request(first_token):
+    return ([first_token, 1, 2], {"max_tokens": 1}, {"reasoning": False})
+
+
+def test_a_streamed_call_answers_every_request_once_as_it_finishes(monkeypatch):
+    monkeypatch.setattr("spark_llm.engine_service.STREAM_CHUNK", 3)  # several chunks
+    got = stream_through(FakeLLM(), [request(t) for t in range(10, 20)])
+    assert sorted(i for i, _ in got) == list(range(10))
+    assert {i: r.outputs[0].text for i, r in got} == {i: f"t{10 + i}" for i in range(10)}
+    assert [i for i, _ in got] != list(range(10))  # in the order they finished, not the order they were sent
+
+
+def test_a_request_the_engine_refuses_is_that_requests_failure_only():
+    from spark_llm.engine_service import RequestFailure
+
+    got = dict(stream_through(FakeLLM(refused={12}), [request(t) for t in range(10, 15)]))
+    assert isinstance(got[2], RequestFailure) and got[2].kind == "engine" and "max_logprobs" in got[2].message
+    assert all(got[i].outputs[0].text == f"t{10 + i}" for i in (0, 1, 3, 4))
+
+
+def test_when_a_step_fails_the_requests_in_flight_are_answered_by_the_isolating_path():
+    fake = FakeLLM(step_fails=2)
+    got = dict(stream_through(fake, [request(t) for t in range(10, 16)]))
+    assert sorted(got) == list(range(6)) and all(got[i].outputs[0].text == f"t{10 + i}" for i in got)
+    assert fake.aborted and not fake.running  # nothing of the call is left in the engine
