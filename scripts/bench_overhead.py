@@ -73,12 +73,14 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--master", default="local[2]")
     p.add_argument("--slots", type=int, default=1, help="engines the job runs at once (raw uses one)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (OMP_NUM_THREADS; vLLM's default: 1)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from spark_llm.engine import apply_worker_env
     from spark_llm.session import LOCAL_ENV
 
     apply_worker_env()  # the raw engine runs in this process; the job's local workers inherit the same
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the raw engine's torch threads; the job's below
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
 
@@ -127,9 +129,9 @@ def main(argv=None) -> int:
     from spark_llm import BatchConfig, run_batch
     from spark_llm.session import get_session
 
-    # PySpark sets OMP_NUM_THREADS=spark.task.cpus (1) in its Python workers; give the job's engines the same cores
+    # PySpark sets OMP_NUM_THREADS=spark.task.cpus (1) in its Python workers; give the job's engines the threads
     # the raw engine had, or the comparison measures thread counts instead of the framework.
-    threads = max(1, (os.cpu_count() or 1) // args.slots)
+    threads = args.threads
     spark = get_session(master=args.master, conf={"spark.ui.enabled": "false",
                                                   "spark.executorEnv.OMP_NUM_THREADS": str(threads)})
     cfg = BatchConfig(input=str(input_path), output_dir=str(work / "out"), model=model, dtype=args.dtype,

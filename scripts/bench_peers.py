@@ -7,8 +7,9 @@
 (c) spark_llm, whole process: ``spark-llm run`` on local Spark (session start, read, validate, count, plan, infer,
     Delta + JSONL writes, report).
 
-Same model, engine settings, requests and cores for all three ((b) and (a): one engine with every core; (c): one
-engine per task slot, cores split between them). Prints a table and the ratios ``vs_raw=`` (spark_llm wall / raw
+Same model, engine settings, requests, cores and torch threads per engine (``--threads``, default 1: what vLLM
+serves with when OMP_NUM_THREADS is unset) for all three ((a) and (b): one engine; (c): ``--slots`` engines,
+``--slots 1`` for one engine as the others). Prints a table and the ratios ``vs_raw=`` (spark_llm wall / raw
 wall) and ``vs_run_batch=`` (run_batch wall / spark_llm wall; above 1 means spark_llm is faster).
 
     python scripts/bench_peers.py --requests 2000                    # CPU, tiny model built on the fly
@@ -94,12 +95,15 @@ def main(argv=None) -> int:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--master", default="local[2]")
     p.add_argument("--slots", type=int, default=2, help="spark_llm's engines (task slots)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per engine (OMP_NUM_THREADS); vLLM serves with 1 when it is unset, as (a) and (b) run")
     p.add_argument("--skip", choices=["raw", "run_batch", "spark_llm"], action="append", default=[])
     args = p.parse_args(argv)
     from spark_llm.engine import apply_worker_env
     from spark_llm.session import LOCAL_ENV
 
     apply_worker_env()  # every engine below gets the same environment (and so the same CPU KV-cache size)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # and the same torch threads per engine
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
     work = Path(tempfile.mkdtemp(prefix="bench_peers."))
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
             cmd.append("--enforce-eager")
         results["run_batch"] = (timed(cmd, env, work / "run_batch.log"), "-")
     if "spark_llm" not in args.skip:
-        threads = max(1, (os.cpu_count() or 1) // args.slots)  # the same cores, split between the engines
+        threads = args.threads
         cmd = [str(Path(sys.executable).parent / "spark-llm"), "run", "--input", str(input_path),
                "--output-dir", str(work / "spark_llm_out"), "--model", model, "--batch-id", "peers",
                "--master", args.master, "--num-task-slots", str(args.slots), "--dtype", args.dtype,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -61,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--master", default="local[2]")
     p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (OMP_NUM_THREADS; vLLM's default: 1)")
     args = p.parse_args(argv)
 
     from spark_llm import BatchConfig, run_batch
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     name = Path(model).name
     input_path = work / "requests.jsonl"
     write_requests(input_path, args.requests, args.prompts, args.prompt_words, name, args.max_tokens)
-    threads = max(1, (os.cpu_count() or 1) // args.slots)
+    threads = args.threads  # torch threads per engine, as vLLM serves by default
     spark = get_session(master=args.master, conf={"spark.ui.enabled": "false",
                                                   "spark.executorEnv.OMP_NUM_THREADS": str(threads)})
     warm = work / "warm.jsonl"  # a few requests first, so that neither measured run pays for loading the engines

@@ -21,7 +21,6 @@ import cProfile
 import collections
 import glob
 import json
-import os
 import pstats
 import shutil
 import sys
@@ -77,7 +76,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="model directory (default: build the tiny model)")
     p.add_argument("--master", default="local[2]")
     p.add_argument("--slots", type=int, default=2, help="engines (task slots)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (OMP_NUM_THREADS; vLLM's default: 1)")
     p.add_argument("--target-tokens-per-partition", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip torch.compile (as the CPU benchmarks do; on GPUs --no-enforce-eager)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="profile_run."))
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
     from spark_llm import BatchConfig, run_batch
     from spark_llm.session import get_session
 
-    threads = max(1, (os.cpu_count() or 1) // args.slots)
+    threads = args.threads  # torch threads per engine, as vLLM serves by default
     t0 = time.monotonic()
     spark = get_session(args.master, {"spark.ui.enabled": "false", "spark.eventLog.enabled": "true",
                                       "spark.eventLog.dir": str(events), "spark.eventLog.compress": "false",
@@ -103,6 +106,7 @@ def main(argv=None) -> int:
     session_s = time.monotonic() - t0
     cfg = BatchConfig(input=str(input_path), output_dir=str(work / "out"), model=model, batch_id="profile",
                       num_task_slots=args.slots, default_max_tokens=args.max_tokens, max_model_len=2048,
+                      max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, dtype="bfloat16",
                       **({"target_tokens_per_partition": args.target_tokens_per_partition}
                          if args.target_tokens_per_partition else {}))
     profile = cProfile.Profile()
