@@ -21,7 +21,13 @@ from .quarantine import RECOMMENDED_TASK_ATTEMPTS
 log = logging.getLogger(__name__)
 
 #: Settings for a local session (demo, tests, single machine). Cluster jobs keep their own spark-submit settings.
+#: A local session's rows are few (requests, results, a wave's metrics) beside the engines' work, so its queries
+#: run interpreted: compiling each query's generated Java (Janino, then the JIT) cost more of a short run's CPU,
+#: on the engines' cores, than running the rows did (about 6 CPU-seconds of a 15- or 2,000-line run here).
+#: ``spark:`` settings of the config override these.
 LOCAL_DEFAULTS = {
+    "spark.sql.codegen.wholeStage": "false",
+    "spark.sql.codegen.factoryMode": "NO_CODEGEN",
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "2",
