@@ -193,8 +193,9 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     returns the partition plan.
 
     Waves are pipelined: wave k+1 is submitted (a Spark job of its own, from a driver thread) while wave k still
-    runs, so no engine waits for the slowest partition of a wave, and wave k is committed while the next waves
-    infer. Commits stay one at a time and in wave order; a crash loses at most the waves not yet committed."""
+    runs, so no engine waits for the slowest partition of a wave; when wave k ends, wave k+2 is submitted before
+    wave k is committed, so the engines always have the next wave while the driver commits. Commits stay one at a
+    time and in wave order; a crash loses at most the waves not yet committed."""
     slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
     if warmup is not None:
         warmup.wait()
@@ -216,10 +217,14 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     try:
         with ProgressReporter(line, run.cfg.progress_interval_seconds):
             for wave in waves:
+                done = None
                 if len(in_flight) == WAVES_IN_FLIGHT:
-                    committed.extend(_commit(run, plan, in_flight.popleft()))
+                    done = in_flight.popleft()
+                    done.wait()  # its slots are free: the next wave takes them before this one is committed
                 in_flight.append(_WaveJob(run, assigned, wave, replace(ictx, wave=wave.number)))
                 current["wave"] = wave.label
+                if done is not None:
+                    committed.extend(_commit(run, plan, done))
             while in_flight:
                 committed.extend(_commit(run, plan, in_flight.popleft()))
         storage.delete(run.spark, run.paths.staging)
