@@ -263,10 +263,11 @@ def _read_info(slot: Slot) -> Optional[dict]:
         info = json.loads(slot.path(".json").read_text())
     except (OSError, ValueError):
         return None
-    return info if _alive(info.get("pid")) else None
+    return info if process_alive(info.get("pid")) else None
 
 
-def _alive(pid: Any) -> bool:
+def process_alive(pid: Any) -> bool:
+    """Whether process ``pid`` of this host runs (an exited one not yet reaped does not)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -366,9 +367,9 @@ def stop_engines_on(slot: Slot) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info["pid"], signal.SIGTERM)
         deadline = time.monotonic() + _STOP_TIMEOUT_S
-        while _alive(info["pid"]) and time.monotonic() < deadline:
+        while process_alive(info["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if _alive(info["pid"]):
+        if process_alive(info["pid"]):
             os.kill(info["pid"], signal.SIGKILL)
 
 
@@ -424,7 +425,7 @@ def _starting(slot: Slot) -> Optional[dict]:
         record = json.loads(slot.path(".starting").read_text())
     except (OSError, ValueError):
         return None
-    return record if _alive(record.get("pid")) else None
+    return record if process_alive(record.get("pid")) else None
 
 
 def _await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) -> dict:
@@ -434,7 +435,7 @@ def _await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None)
         info = _read_info(slot)
         if info is not None and info.get("pid") == pid:
             return info
-        if (proc.poll() is not None) if proc is not None else not _alive(pid):
+        if (proc.poll() is not None) if proc is not None else not process_alive(pid):
             try:
                 reason = slot.path(".error").read_text().strip()
             except OSError:
@@ -495,7 +496,7 @@ class _Server:
     def watch(self) -> None:
         while True:
             time.sleep(1.0)
-            if not _alive(self.watch_pid):
+            if not process_alive(self.watch_pid):
                 with self.lock:
                     self.stop("executor gone")
             idle = time.monotonic() - self.last_used

@@ -16,6 +16,7 @@ from typing import Mapping, Optional
 from pyspark.sql import SparkSession
 
 from .engine import apply_worker_env
+from .engine_service import process_alive
 from .quarantine import RECOMMENDED_TASK_ATTEMPTS
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
         cache.mkdir(parents=True, exist_ok=True)
         for dump in sorted(cache.glob(f"jvm-{key}.*.jsa")):  # earlier sessions' dumps, named for their process
             owner = int(dump.name.split(".")[-2])
-            if _process_alive(owner):
+            if process_alive(owner):
                 continue
             if not archive.exists() and dump.stat().st_size > 0:
                 os.replace(dump, archive)
@@ -152,16 +153,6 @@ def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
             return [f"-XX:SharedArchiveFile={archive}", quiet]
         return [f"-XX:ArchiveClassesAtExit={cache / f'jvm-{key}.{os.getpid()}.jsa'}", quiet]
     return []
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _recorded_delta_jars() -> Optional[str]:
