@@ -131,10 +131,10 @@ def plan_local(config: BatchConfig, master: Optional[str] = None,
 def local_input_bytes(config: BatchConfig) -> Optional[int]:
     """Bytes of the input when :func:`plan_local` can plan it: JSONL files (not compressed) on this machine, not a
     Delta table or a catalog table; else None."""
-    from .read import local_files
+    from .read import local_files, local_path
 
     files = local_files(config.input) if config.input and not config.input_table else None
-    return sum(os.path.getsize(f[len("file://"):]) for f in files) if files else None
+    return sum(os.path.getsize(local_path(f)) for f in files) if files else None
 
 
 def local_cores(master: str) -> int:

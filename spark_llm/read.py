@@ -123,7 +123,8 @@ def _stream_file_lines(batches: Iterator, max_line_bytes: int, keep: int) -> Ite
 
 
 def _chunks(uri: str, size: int = 8 << 20) -> Iterator[bytes]:
-    filesystem, path = storage.python_filesystem(uri)
+    """The bytes of a file Spark names (``_metadata.file_path``: a ``file:`` URI is URI-quoted)."""
+    filesystem, path = storage.python_filesystem(local_path(uri) if uri.startswith("file:") else uri)
     with filesystem.open_input_stream(path) as f:
         while chunk := f.read(size):
             yield chunk
@@ -213,6 +214,11 @@ def local_files(path: str) -> Optional[list[str]]:
     if any(f.lower().endswith(_COMPRESSED) for f in files):
         return None
     return sorted(_hadoop_uri(f) for f in files)
+
+
+def local_path(uri: str) -> str:
+    """The path on this machine of a :func:`local_files` URI."""
+    return urllib.parse.unquote(uri[len("file:"):])
 
 
 def _hadoop_uri(path: str) -> str:

@@ -5,6 +5,8 @@ Connect server with Delta). The tables and files are read back with the classic 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
 from batch_lines import OK
-from conftest import ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, POISON_ENGINE_ID, POISON_WORKER_ID, engine_settings
+from conftest import ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, POISON_ENGINE_ID, POISON_WORKER_ID, ROOT, engine_settings
 from spark_llm import BatchConfig, ConfigError, run_batch
 from spark_llm.report_html import PLOTS
 from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
@@ -299,3 +301,20 @@ def test_the_local_dry_run_plans_what_the_spark_one_does(spark, shared_run, tiny
     cfg = BatchConfig(input=str(shared_run.root / "input"), output_dir=str(tmp_path / "none"),
                       **engine_settings(tiny_model))
     assert plan_local(cfg, "local[2]", tokens_per_second=100.0) == plan_batch(spark, cfg, tokens_per_second=100.0)
+
+
+def test_spark_llm_plan_of_a_local_file_starts_no_jvm_and_imports_no_vllm(shared_run, tiny_model, tmp_path):
+    """The command a user types: a file whose name needs quoting in its URI, planned in the command's process."""
+    import shutil
+
+    source = sorted((shared_run.root / "input").glob("*.jsonl"))[0]
+    path = tmp_path / "my batch%.jsonl"
+    shutil.copy(source, path)
+    settings = engine_settings(tiny_model)
+    args = ["plan", "--input", str(path), "--output-dir", str(tmp_path / "none"), "--model", settings["model"],
+            "--max-model-len", str(settings["max_model_len"]), "--tokens-per-second", "100"]
+    probe = ("import sys; from pyspark import SparkContext; from spark_llm.cli import main; rc = main(sys.argv[1:]); "
+             "print('probe', rc, SparkContext._gateway is None, 'vllm' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.stdout.splitlines()[-1:] == ["probe 0 True False"], proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "plan: " in proc.stdout and "100 tokens/s" in proc.stdout

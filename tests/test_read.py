@@ -94,7 +94,7 @@ def test_an_over_long_line_is_one_short_row_and_its_neighbours_keep_their_number
 def test_local_files_are_listed_as_spark_lists_them(tmp_path):
     """The dry run's own reader (no Spark) takes what Spark's file source would: a file, a directory's files
     recursively without hidden ones, a glob; Spark keeps what only it reads (remote, Delta, compressed)."""
-    from spark_llm.read import local_files
+    from spark_llm.read import local_files, local_lines, local_path
 
     for name in ("a.jsonl", "sub/b.jsonl", "_SUCCESS", ".hidden", "sub/.crc", "_skip/c.jsonl", "part=1/d.jsonl"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +104,10 @@ def test_local_files_are_listed_as_spark_lists_them(tmp_path):
     assert local_files(str(tmp_path / "*.jsonl")) == [f"{uri}/a.jsonl"]
     assert local_files(f"file:{tmp_path}/a.jsonl") == [f"{uri}/a.jsonl"]
     assert local_files(str(tmp_path / "missing.jsonl")) == []
+    (tmp_path / "a b%.jsonl").write_text("{}\n")  # quoted in its URI
+    quoted = local_files(str(tmp_path / "a b*"))
+    assert [local_path(u) for u in quoted] == [str(tmp_path / "a b%.jsonl")]
+    assert [list(f["value"]) for f in local_lines(quoted, 1 << 20)] == [[b"{}"]]
     (tmp_path / "z.jsonl.gz").write_bytes(b"")
     (tmp_path / "t" / "_delta_log").mkdir(parents=True)
     assert local_files(str(tmp_path)) is None and local_files(str(tmp_path / "t")) is None
