@@ -142,8 +142,8 @@ def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
     with contextlib.suppress(OSError):
         cache.mkdir(parents=True, exist_ok=True)
         for dump in sorted(cache.glob(f"jvm-{key}.*.jsa")):  # earlier sessions' dumps, named for their process
-            owner = int(dump.name.split(".")[-2])
-            if process_alive(owner):
+            owner = dump.name.split(".")[-2]
+            if not owner.isdigit() or process_alive(int(owner)):
                 continue
             if not archive.exists() and dump.stat().st_size > 0:
                 os.replace(dump, archive)

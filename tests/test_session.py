@@ -22,6 +22,8 @@ def test_the_first_session_dumps_the_jvm_classes_and_the_next_publishes_and_maps
     mapped = session._class_data_sharing(settings)
     assert mapped[0].startswith("-XX:SharedArchiveFile=") and os.path.exists(mapped[0].split("=", 1)[1])
     assert not os.path.exists(finished)
+    open(mapped[0].split("=", 1)[1].replace(".jsa", ".copy.jsa"), "wb").close()  # not a dump of ours: left alone
+    assert session._class_data_sharing(settings) == mapped
     # other jars: another archive
     assert session._class_data_sharing({"spark.jars": "file:///j/other.jar"})[0].startswith("-XX:ArchiveClassesAtExit=")
 
