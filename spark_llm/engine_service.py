@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -693,8 +694,6 @@ class _Sender:
         self.thread.start()
 
     def put(self, message: Any) -> None:
-        from multiprocessing.reduction import ForkingPickler
-
         self.queue.put(bytes(ForkingPickler.dumps(message)))  # what Connection.recv reads
 
     def _run(self) -> None:
