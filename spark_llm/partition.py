@@ -1,19 +1,23 @@
 """Token-balanced repartitioning: every inference task gets about the same estimated work.
 
 Estimated cost of a request (``est_tokens``, from the token stage: :func:`~spark_llm.tokens.estimated_tokens`) =
-prompt tokens + prompts x n x max_tokens. Rows are laid on one line of cumulative cost (hashed
-into fixed partitions by id and sorted, so the order is the same every time) and cut into ``P`` equal ranges, so
-each partition holds total/P tokens give or take one request. Only per-partition sums reach the driver (one row per
-partition), never requests. Inside a partition, rows are sorted by their leading prompt tokens so that shared
-prefixes (system prompts) run back to back and vLLM's prefix cache can reuse them.
+prompt tokens + prompts x n x max_tokens. Requests are laid on one line of cumulative cost in a fixed order (by
+:func:`prefix_key` when planning is prefix-aware, so that requests sharing a prompt prefix are consecutive; by id
+otherwise) and the line is cut into ``P`` equal ranges, so each partition holds total/P tokens give or take one
+request. The plan is the order key of each planned partition's first request: the planning jobs shuffle only three
+narrow columns, and a wave selects its requests by key range (:func:`assign`). Only per-partition sums and the P
+boundary keys reach the driver, never requests. Inside a partition, requests sharing a prefix run back to back and
+vLLM's prefix cache reuses them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import zlib
+from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
@@ -25,13 +29,34 @@ from .session import default_parallelism, spark_conf
 log = logging.getLogger(__name__)
 
 PART_COL = "_part"
-#: Leading prompt tokens compared to order requests: requests sharing a prefix are adjacent (vLLM's prefix cache).
-_PREFIX_TOKENS = 256
+#: Column of the token stage's rows holding :func:`prefix_key`.
+PREFIX_COL = "prefix_key"
+#: Leading prompt tokens whose hashes make up a prefix key, shortest first. vLLM's prefix cache reuses blocks of 16
+#: tokens; a system prompt or few-shot block runs from tens to thousands of tokens.
+PREFIX_LEVELS = (16, 64, 256, 1024)
+_LEVEL_BITS = 12
+_ADAPTER_BITS = 64 - _LEVEL_BITS * len(PREFIX_LEVELS)
+
+
+def prefix_key(token_ids: Sequence[int], adapter: Optional[str] = None) -> int:
+    """A request's place in the prefix order as one signed 64-bit number, cheap for Spark to sort on: its LoRA
+    adapter (16 bits; 0 for the base model), then 12 bits of a hash of each of its first 16, 64, 256 and 1024 prompt
+    tokens. Sorted by this key, an adapter's requests are consecutive, and within them the requests sharing their
+    first 16 tokens, within those the ones sharing 64, and so on. Unrelated requests can only interleave by a hash
+    collision at every level up to where they differ."""
+    key = 1 + zlib.crc32(adapter.encode("utf-8")) % ((1 << _ADAPTER_BITS) - 1) if adapter else 0
+    crc, done = 0, 0
+    for level in PREFIX_LEVELS:
+        if done < len(token_ids):
+            crc = zlib.crc32(array("q", token_ids[done:level]).tobytes(), crc)
+            done = level
+        key = (key << _LEVEL_BITS) | (crc & ((1 << _LEVEL_BITS) - 1))
+    return key - (1 << 64) if key >= 1 << 63 else key
 
 
 @dataclass
 class PartitionPlan:
-    """What the partitioner decided; recorded in batch.json."""
+    """What the partitioner decided; recorded in batch.json (except the boundary keys)."""
 
     num_partitions: int
     task_slots: int
@@ -39,12 +64,10 @@ class PartitionPlan:
     target_tokens_per_partition: int
     tokens_per_partition: list[int] = field(default_factory=list)
     requests_per_partition: list[int] = field(default_factory=list)
-    persisted: list = field(default_factory=list, repr=False)  # frames to unpersist when the plan is done
-
-    def release(self) -> None:
-        for df in reversed(self.persisted):
-            df.unpersist()
-        self.persisted = []
+    #: the columns of the cost line's order (unique together) and, per planned partition, the values of its first
+    #: request (None: an empty partition)
+    order: tuple[str, ...] = ("id",)
+    starts: list[Optional[tuple]] = field(default_factory=list, repr=False)
 
     @property
     def balance_ratio(self) -> float:
@@ -90,18 +113,31 @@ def _partition_sums(df: DataFrame) -> dict[int, int]:
     return {int(r["pid"]): int(r["t"] or 0) for r in rows}
 
 
-def _assign(batches: Iterator, offsets: dict[int, int], per_part: float, parts: int) -> Iterator:
+def _segments(batches: Iterator, order: tuple[str, ...], offsets: dict[int, int], per_part: float,
+              parts: int) -> Iterator:
+    """mapInArrow body over the ordered cost line: each request's planned partition from the middle of its range,
+    and per (Arrow batch, planned partition) one row: the first request's order values, tokens and requests."""
+    import numpy as np
+    import pyarrow as pa
     from pyspark import TaskContext
 
     pid = TaskContext.get().partitionId()
     start = offsets.get(pid, 0)
-    for pdf in batches:
-        cost = pdf["est_tokens"].astype("int64")
-        before = start + cost.cumsum() - cost
-        mid = before + cost / 2.0
-        pdf[PART_COL] = (mid // per_part).clip(upper=parts - 1).astype("int32")
+    for seq, batch in enumerate(batches):
+        if not batch.num_rows:
+            continue
+        cost = batch.column("est_tokens").fill_null(0).to_numpy().astype("int64")
+        mid = start + np.cumsum(cost) - cost / 2.0
+        part = np.minimum(mid // per_part, parts - 1).astype("int32")  # non-decreasing along the line
         start += int(cost.sum())
-        yield pdf
+        firsts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])
+        ends = np.r_[firsts[1:], len(part)]
+        yield pa.RecordBatch.from_arrays(
+            [pa.array(part[firsts], pa.int32()), pa.array(np.full(len(firsts), pid), pa.int32()),
+             pa.array(np.full(len(firsts), seq), pa.int64()),
+             *[batch.column(c).take(pa.array(firsts)) for c in order],
+             pa.array(np.add.reduceat(cost, firsts), pa.int64()), pa.array(ends - firsts, pa.int64())],
+            names=[PART_COL, "_pid", "_seq", *order, "_tokens", "_requests"])
 
 
 #: parts -> for each slot 0..parts-1, a key that Spark's hash partitioner sends there. Spark's hash function is fixed,
@@ -133,64 +169,102 @@ def _hash_keys(spark: SparkSession, parts: int, first: int = 0) -> DataFrame:
 
 
 def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col: str = "id",
-                    prefix_aware: bool = True) -> tuple[DataFrame, PartitionPlan]:
-    """Assign each valid request (with ``est_tokens``) a planned partition ``_part`` so that estimated tokens are
-    balanced: consecutive ranges of the cumulative estimated cost. With ``prefix_aware``, requests are ordered by
-    their LoRA adapter, then their first :data:`_PREFIX_TOKENS` prompt tokens, so an adapter's requests and requests
-    sharing a prefix are consecutive and land in one partition (two when they straddle a boundary, more when they
-    outweigh one) instead of in every one. ``order_col`` must identify rows uniquely; which rows form a partition of
-    ``df`` must not change between computations (true of persisted frames and of shuffles by key). The returned
-    frame is persisted: call ``plan.release()`` when done."""
-    # The assignment must come out the same each time it is computed: rows go to a fixed number of partitions (so
-    # AQE cannot regroup them) and are sorted inside each, ties broken by the unique id; the result is persisted.
-    # Prefix-aware: range-partitioned by (adapter, prefix, id), a global order in which one dominant prefix still spreads
-    # over many tasks; plain: hashed by the id.
-    if order_col in df.columns:
-        shuffle_parts = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
-        if prefix_aware and "prompt_token_ids" in df.columns:
-            keys = [F.slice(F.col("prompt_token_ids")[0], 1, _PREFIX_TOKENS), F.col(order_col)]
-            if "options_json" in df.columns:  # a LoRA adapter's requests together, then by prefix
-                keys.insert(0, F.coalesce(F.get_json_object("options_json", "$.adapter"), F.lit("")))
-            df = df.repartitionByRange(shuffle_parts, *keys).sortWithinPartitions(*keys)
-        else:
-            df = df.repartition(shuffle_parts, order_col).sortWithinPartitions(order_col)
-    ordered = df.persist(StorageLevel.MEMORY_AND_DISK)
-    sums = _partition_sums(ordered)
-    total = sum(sums.values())
-    parts = num_partitions(total, target_tokens, slots)
-    offsets, running = {}, 0
-    for pid in sorted(sums):
-        offsets[pid] = running
-        running += sums[pid]
-    per_part = max(total / parts, 1.0)
-    schema = T.StructType(df.schema.fields + [T.StructField(PART_COL, T.IntegerType())])
-    assigned = ordered.mapInPandas(lambda it: _assign(it, offsets, per_part, parts), schema) \
+                    prefix_aware: bool = True) -> PartitionPlan:
+    """Plan partitions of the valid requests ``df`` (with ``est_tokens``) so that estimated tokens are balanced:
+    consecutive ranges of the cumulative estimated cost, in the order of ``order_col`` (unique, never null). With
+    ``prefix_aware`` (and a :data:`PREFIX_COL` column) the order is by :func:`prefix_key` first, so an adapter's
+    requests and requests sharing a prefix are consecutive and land in one partition (two when they straddle a
+    boundary, more when they outweigh one) instead of in every one.
+
+    The plan holds the order values where each partition starts, so :func:`assign` selects the same requests every
+    time ``df`` is computed, whichever way Spark splits it. ``df`` is read again by every wave: pass a persisted
+    frame."""
+    if order_col not in df.columns:
+        raise ValueError(f"plan_partitions orders requests by {order_col!r}, a column the frame does not have")
+    order = (PREFIX_COL, order_col) if prefix_aware and PREFIX_COL in df.columns else (order_col,)
+    shuffle_parts = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
+    # a range shuffle of three narrow columns (one dominant prefix still spreads over many tasks, split by id);
+    # persisted so that the sums and the segments see the same split
+    line = df.select(*_order_columns(order), F.col("est_tokens").cast("long").alias("est_tokens"))
+    line = line.repartitionByRange(shuffle_parts, *order).sortWithinPartitions(*order) \
         .persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        sums = _partition_sums(line)
+        total = sum(sums.values())
+        parts = num_partitions(total, target_tokens, slots)
+        offsets, running = {}, 0
+        for pid in sorted(sums):
+            offsets[pid] = running
+            running += sums[pid]
+        per_part = max(total / parts, 1.0)
+        schema = T.StructType([T.StructField(PART_COL, T.IntegerType()), T.StructField("_pid", T.IntegerType()),
+                               T.StructField("_seq", T.LongType()),
+                               *[line.schema[c] for c in order],
+                               T.StructField("_tokens", T.LongType()), T.StructField("_requests", T.LongType())])
+        segments = line.mapInArrow(lambda it: _segments(it, order, offsets, per_part, parts), schema) \
+            .collect()  # a row per shuffle partition and planned partition: metadata
+    finally:
+        line.unpersist()
     plan = PartitionPlan(num_partitions=parts, task_slots=slots, total_estimated_tokens=total,
-                         target_tokens_per_partition=target_tokens, persisted=[ordered, assigned])
-    stats = {int(r[PART_COL]): (int(r["t"]), int(r["c"])) for r in
-             assigned.groupBy(PART_COL).agg(F.sum("est_tokens").alias("t"), F.count(F.lit(1)).alias("c")).collect()}
-    plan.tokens_per_partition = [stats.get(i, (0, 0))[0] for i in range(parts)]
-    plan.requests_per_partition = [stats.get(i, (0, 0))[1] for i in range(parts)]
+                         target_tokens_per_partition=target_tokens, order=order,
+                         tokens_per_partition=[0] * parts, requests_per_partition=[0] * parts,
+                         starts=[None] * parts)
+    first: dict[int, tuple] = {}
+    for seg in segments:
+        k = seg[PART_COL]
+        plan.tokens_per_partition[k] += int(seg["_tokens"])
+        plan.requests_per_partition[k] += int(seg["_requests"])
+        if k not in first or (seg["_pid"], seg["_seq"]) < first[k]:
+            first[k] = (seg["_pid"], seg["_seq"])
+            plan.starts[k] = tuple(seg[c] for c in order)
     log.info("partition plan: %d partitions for %d estimated tokens (%d task slots), balance max/mean %.3f",
              parts, total, slots, plan.balance_ratio)
-    return assigned, plan
+    return plan
 
 
-def materialize(assigned: DataFrame, first: int, count: int) -> DataFrame:
-    """Planned partitions ``first .. first+count-1`` as exactly ``count`` Spark partitions, one planned partition
-    each, rows sharing a prompt prefix adjacent (vLLM prefix caching), longer prompts first."""
-    spark = assigned.sparkSession
-    wave = assigned.where(F.col(PART_COL).between(first, first + count - 1))
-    keyed = wave.join(F.broadcast(_hash_keys(spark, count, first)), PART_COL)
-    return (keyed.repartition(count, "_key")
-            .sortWithinPartitions(F.slice(F.col("prompt_token_ids")[0], 1, _PREFIX_TOKENS),
-                                  F.col("prompt_tokens").desc())
-            .drop("_key"))
+def _order_columns(order: tuple[str, ...]) -> list:
+    """The order columns as the plan compares them (a row without a prefix key sorts as key 0)."""
+    return [F.coalesce(F.col(c), F.lit(0).cast("long")).alias(c) if c == PREFIX_COL else F.col(c) for c in order]
+
+
+def _at_or_after(order: tuple[str, ...], values: tuple) -> Any:
+    """``(order columns) >= values``, lexicographically."""
+    cols = _order_columns(order)
+    cond = cols[-1] >= F.lit(values[-1])
+    for col, value in zip(reversed(cols[:-1]), reversed(values[:-1])):
+        cond = (col > F.lit(value)) | ((col == F.lit(value)) & cond)
+    return cond
+
+
+def assign(df: DataFrame, plan: PartitionPlan, first: int = 0, count: Optional[int] = None) -> DataFrame:
+    """The requests of ``df`` in planned partitions ``first .. first+count-1`` (all by default), each with its
+    planned partition in ``_part``: a range of the order keys per partition."""
+    count = plan.num_partitions - first if count is None else count
+    starts = [(k, plan.starts[k]) for k in range(first, first + count) if plan.starts[k] is not None]
+    if not starts:
+        return df.where(F.lit(False)).withColumn(PART_COL, F.lit(None).cast("int"))
+    after = next((s for s in plan.starts[first + count:] if s is not None), None)
+    inside = _at_or_after(plan.order, starts[0][1])
+    if after is not None:
+        inside = inside & ~_at_or_after(plan.order, after)
+    part = F.lit(starts[0][0])
+    for k, values in starts[1:]:
+        part = F.when(_at_or_after(plan.order, values), F.lit(k)).otherwise(part)
+    return df.where(inside).withColumn(PART_COL, part.cast("int"))
+
+
+def materialize(df: DataFrame, plan: PartitionPlan, first: int, count: int) -> DataFrame:
+    """Planned partitions ``first .. first+count-1`` of ``df`` as exactly ``count`` Spark partitions, one planned
+    partition each, rows sharing a prompt prefix adjacent (vLLM prefix caching), longer prompts first."""
+    keyed = assign(df, plan, first, count).join(F.broadcast(_hash_keys(df.sparkSession, count, first)), PART_COL)
+    order = [F.col("prompt_tokens").desc()]
+    if PREFIX_COL in df.columns:
+        order.insert(0, F.col(PREFIX_COL))
+    return keyed.repartition(count, "_key").sortWithinPartitions(*order).drop("_key")
 
 
 def balance(df: DataFrame, *, target_tokens: int, slots: int,
             order_col: str = "id") -> tuple[DataFrame, PartitionPlan]:
     """All planned partitions at once: :func:`plan_partitions` then :func:`materialize`."""
-    assigned, plan = plan_partitions(df, target_tokens=target_tokens, slots=slots, order_col=order_col)
-    return materialize(assigned, 0, plan.num_partitions), plan
+    plan = plan_partitions(df, target_tokens=target_tokens, slots=slots, order_col=order_col)
+    return materialize(df, plan, 0, plan.num_partitions), plan

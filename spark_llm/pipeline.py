@@ -67,13 +67,14 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
     """Every pending line to one row: validation errors first, then inference in waves."""
     run.describe("read, validate and count tokens")
     requests = prepare(run.spark, run.models).persist(StorageLevel.MEMORY_AND_DISK)
+    pending = requests
     try:
         counts = count_outcomes(requests)
         check_size(counts, run.cfg)
         in_progress_at = int(time.time())
-        pending, todo = requests, counts
-        if run.cfg.resume:
-            pending = write.pending(run, requests)
+        todo = counts
+        if run.cfg.resume:  # persisted: the plan and every wave read it
+            pending = write.pending(run, requests).persist(StorageLevel.MEMORY_AND_DISK)
             todo = count_outcomes(pending)
             log.info("batch %s: resuming, %d requests already answered", run.batch_id, counts.rows - todo.rows)
         if todo.errors:  # committed while the requests infer
@@ -85,5 +86,7 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
             log.info("batch %s: nothing left to run; no new rows written", run.batch_id)
         write.wait_for_writes(run)  # they read the prepared rows: done before those are released
     finally:
+        if pending is not requests:
+            pending.unpersist()
         requests.unpersist()
     return Outcome(plan=plan, skipped=counts.rows - todo.rows, in_progress_at=in_progress_at)

@@ -31,6 +31,7 @@ TOKENIZED_SCHEMA = T.StructType(VALIDATED_SCHEMA.fields + [
     T.StructField("prompt_token_ids", T.ArrayType(T.ArrayType(I, containsNull=False), containsNull=False), True),
     T.StructField("prompt_tokens", L, True),
     T.StructField("est_tokens", L, True),  # the request's cost in the partition plan (tokens.estimated_tokens)
+    T.StructField("prefix_key", L, True),  # its place in the prefix order of the plan (partition.prefix_key)
     T.StructField("notes", S, True),
 ])
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping, Optional
 from .endpoints import BY_KIND
 from .endpoints.common import check_token_ids
 from .errors import ErrorCode
+from .partition import prefix_key
 
 log = logging.getLogger(__name__)
 
@@ -145,19 +146,21 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
 
 
 def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, TokenContext]) -> Iterator:
-    """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens and notes; error rows pass through.
+    """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens, prefix_key and notes; error rows pass
+    through.
     ``contexts``: one context, or one per served model name (each row is counted for its ``model``)."""
     import pandas as pd
 
     tokenizers: dict[str, Any] = {}
     for pdf in batches:
-        ids_col, n_col, est_col, notes_col = [], [], [], []
+        ids_col, n_col, est_col, key_col, notes_col = [], [], [], [], []
         pdf = pdf.copy()
         for i in range(len(pdf)):
             if pdf["error_code"].iat[i] is not None:
                 ids_col.append(None)
                 n_col.append(None)
                 est_col.append(None)
+                key_col.append(None)
                 notes_col.append(None)
                 continue
             ctx = contexts if isinstance(contexts, TokenContext) else contexts[pdf["model"].iat[i]]
@@ -178,6 +181,7 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
                 ids_col.append(None)
                 n_col.append(res["prompt_tokens"])
                 est_col.append(None)
+                key_col.append(None)
                 notes_col.append(None)
                 continue
             pdf.iat[i, pdf.columns.get_loc("sampling_json")] = res["sampling_json"]
@@ -185,9 +189,13 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
             ids_col.append(res["prompt_token_ids"])
             n_col.append(res["prompt_tokens"])
             est_col.append(res["est_tokens"])
+            options = pdf["options_json"].iat[i]
+            key_col.append(prefix_key(res["prompt_token_ids"][0],
+                                      json.loads(options).get("adapter") if options else None))
             notes_col.append(res["notes"])
         pdf["prompt_token_ids"] = ids_col
         pdf["prompt_tokens"] = pd.array(n_col, dtype="Int64")
         pdf["est_tokens"] = pd.array(est_col, dtype="Int64")
+        pdf["prefix_key"] = pd.array(key_col, dtype="Int64")
         pdf["notes"] = notes_col
         yield pdf

@@ -190,7 +190,7 @@ def merged_plan(plans: dict[str, dict]) -> dict:
 def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None,
                    numbering: Numbering = Numbering()) -> dict:
     """Infer every valid request (rows with ``est_tokens``) of one model (``run.cfg``) and commit the results;
-    returns the partition plan.
+    returns the partition plan. ``valid`` is read by the planning and by every wave: a filter of a persisted frame.
 
     Waves are pipelined: wave k+1 is submitted (a Spark job of its own, from a driver thread) while wave k still
     runs, so no engine waits for the slowest partition of a wave; when wave k ends, wave k+2 is submitted before
@@ -200,8 +200,8 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     if warmup is not None:
         warmup.wait()
     run.describe("plan partitions")
-    assigned, plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots,
-                                     prefix_aware=run.cfg.prefix_aware_partitions)
+    plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots,
+                           prefix_aware=run.cfg.prefix_aware_partitions)
     ictx = _infer_context(run, numbering)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots, numbering.waves)
     current = {"wave": f"{numbering.waves}/{waves[-1].of}"}
@@ -221,7 +221,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
                 if len(in_flight) == WAVES_IN_FLIGHT:
                     done = in_flight.popleft()
                     done.wait()  # its slots are free: the next wave takes them before this one is committed
-                in_flight.append(_WaveJob(run, assigned, wave, replace(ictx, wave=wave.number)))
+                in_flight.append(_WaveJob(run, valid, plan, wave, replace(ictx, wave=wave.number)))
                 current["wave"] = wave.label
                 if done is not None:
                     committed.extend(_commit(run, plan, done))
@@ -233,21 +233,19 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         for job in in_flight:
             job.thread.join()
         raise
-    finally:
-        plan.release()
     return {**plan.as_dict(), "waves": len(waves)}
 
 
 class _WaveJob(_EngineJob):
     """One wave's inference, a Spark job of its own, its results staged as Parquet."""
 
-    def __init__(self, run: RunContext, assigned: DataFrame, wave: Wave, ictx: InferContext):
+    def __init__(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, wave: Wave, ictx: InferContext):
         self.wave, self.staging = wave, f"{run.paths.staging}/wave-{wave.number}"
-        super().__init__(run.spark, f"spark_llm-wave-{wave.number}", lambda: self._infer(run, assigned, ictx))
+        super().__init__(run.spark, f"spark_llm-wave-{wave.number}", lambda: self._infer(run, valid, plan, ictx))
 
-    def _infer(self, run: RunContext, assigned: DataFrame, ictx: InferContext) -> None:
+    def _infer(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, ictx: InferContext) -> None:
         run.describe(f"infer wave {self.wave.label}")
-        requests = materialize(assigned, self.wave.first, self.wave.count).select(*INFER_INPUT)
+        requests = materialize(valid, plan, self.wave.first, self.wave.count).select(*INFER_INPUT)
         results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA, profile=run.gpu_profile)
         results.write.mode("overwrite").parquet(self.staging)
 

@@ -7,7 +7,7 @@ import random
 from pyspark import StorageLevel
 from pyspark.sql import functions as F
 
-from spark_llm.partition import PART_COL, balance, num_partitions, plan_partitions
+from spark_llm.partition import PART_COL, assign, balance, num_partitions, plan_partitions, prefix_key
 from spark_llm.tokens import estimated_tokens
 
 
@@ -58,15 +58,41 @@ def test_balance_evens_out_estimated_tokens(spark):
         df.unpersist()
 
 
+def test_prefix_keys_order_requests_by_adapter_then_by_ever_longer_shared_prefixes():
+    system = list(range(100, 400))  # a 300-token system prompt
+    few_shot = system + list(range(900, 1000))
+    keys = {name: prefix_key(ids, adapter) for name, ids, adapter in [
+        ("q1", few_shot + [1, 2, 3], None), ("q2", few_shot + [4, 5], None), ("q3", system + [7] * 50, None),
+        ("other", list(range(5000, 5300)), None), ("lora", few_shot + [1, 2, 3], "sql-lora")]}
+    assert prefix_key(few_shot + [1, 2, 3]) == keys["q1"]  # the same on every worker and in every run
+    assert keys["lora"] != keys["q1"]
+    assert all(-(1 << 63) <= k < 1 << 63 for k in keys.values())
+    level = lambda k, n: (k % (1 << 64)) >> (12 * (4 - n))  # noqa: E731  (adapter and the first n levels)
+    # q1 and q2 share 400 tokens: every level up to 256 tokens; q3 shares 300 with them: also up to 256
+    assert level(keys["q1"], 3) == level(keys["q2"], 3) == level(keys["q3"], 3)
+    assert level(keys["q1"], 1) != level(keys["other"], 1)
+    assert level(keys["lora"], 0) != level(keys["q1"], 0) and level(keys["q1"], 0) == 0
+    # a prompt shorter than a level: the hash of what there is, repeated
+    assert level(prefix_key([1, 2, 3]), 4) & 0xFFF == level(prefix_key([1, 2, 3]), 1) & 0xFFF
+
+
+def with_prefix_keys(rows):
+    """Rows of (custom_id, prompt_token_ids, ...) with the token stage's prefix key appended."""
+    return [(*r, prefix_key(r[1][0])) for r in rows]
+
+
 def test_rows_sharing_a_prefix_are_adjacent(spark):
-    rows = [(f"r{i}", [[1, 2, 3, i % 3] + [i]], 5, 10, 15) for i in range(30)]
+    # three 32-token prefixes (two of vLLM's 16-token cache blocks), interleaved in the input
+    rows = with_prefix_keys([(f"r{i}", [[100 * (i % 3) + k for k in range(32)] + [i]], 33, 10, 43)
+                             for i in range(30)])
     df = spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, prompt_tokens long, "
-                                     "max_tokens long, est_tokens long")
+                                     "max_tokens long, est_tokens long, prefix_key long")
     df = df.persist()
     try:
         out, plan = balance(df, target_tokens=10_000, slots=1, order_col="custom_id")
-        ids = [r["prompt_token_ids"][0][3] for r in out.collect()]
-        assert ids == sorted(ids)
+        groups = [r["prompt_token_ids"][0][0] // 100 for r in out.collect()]
+        assert sorted(groups) == [g for g in range(3) for _ in range(10)]
+        assert sum(a != b for a, b in zip(groups, groups[1:])) == 2, groups  # each prefix's 10 rows in one run
         assert PART_COL in out.columns
     finally:
         df.unpersist()
@@ -81,20 +107,20 @@ def test_requests_sharing_a_prefix_share_a_partition_and_stay_balanced(spark):
         extra = rng.randint(1, 20)
         rows.append((f"r{i}", [prefixes[g] + [rng.randrange(50) for _ in range(extra)]], g, 40 + extra, 16,
                      40 + extra + 16))
-    df = spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, g int, "
-                                     "prompt_tokens long, max_tokens long, est_tokens long")
+    df = spark.createDataFrame(with_prefix_keys(rows), "custom_id string, prompt_token_ids array<array<int>>, "
+                               "g int, prompt_tokens long, max_tokens long, est_tokens long, prefix_key long")
     df = df.persist()
     try:
         spread, total = {}, df.agg(F.sum("est_tokens")).first()[0]
         for aware in (True, False):
-            assigned, plan = plan_partitions(df, target_tokens=-(-total // 8),
-                                             slots=4, order_col="custom_id", prefix_aware=aware)
+            plan = plan_partitions(df, target_tokens=-(-total // 8), slots=4, order_col="custom_id",
+                                   prefix_aware=aware)
+            assigned = assign(df, plan)
             parts_of = {r["g"]: r["n"] for r in assigned.groupBy("g").agg(F.countDistinct(PART_COL).alias("n"))
                         .collect()}
             spread[aware] = sum(parts_of.values()) / len(parts_of)
             assert plan.num_partitions == 8 and plan.balance_ratio < 1.05
             assert assigned.count() == 800
-            plan.release()
         # a prompt's requests sit in one partition, or two where it straddles a boundary; plain planning scatters
         # them over (nearly) every partition
         assert spread[True] <= 2.0 and spread[False] >= 6.0, spread
