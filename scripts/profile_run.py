@@ -59,6 +59,26 @@ def spark_jobs(event_log: Path) -> list[dict]:
     return [j for _, j in sorted(jobs.items()) if j["end"] is not None]
 
 
+def idle_lines(metrics: list[dict]) -> list[str]:
+    """Per engine slot: its partitions, engine seconds, and where its idle time in the inference stage went (before
+    its first partition, between partitions, after its last one while another slot still ran)."""
+    start = min(m["started_at"] for m in metrics)
+    end = max(m["finished_at"] for m in metrics)
+    by_slot: dict[str, list[dict]] = collections.defaultdict(list)
+    for m in metrics:
+        by_slot[str(m.get("engine_slot"))].append(m)
+    lines = [f"inference stage {(end - start).total_seconds():.1f}s"]
+    for slot, ms in sorted(by_slot.items()):
+        ms.sort(key=lambda m: m["started_at"])
+        between = sum(max((b["started_at"] - a["finished_at"]).total_seconds(), 0) for a, b in zip(ms, ms[1:]))
+        outside = sum((m["finished_at"] - m["started_at"]).total_seconds() - m["engine_seconds"] for m in ms)
+        lines.append(f"engine slot {slot}: {len(ms)} partitions, engine {sum(m['engine_seconds'] for m in ms):.1f}s, "
+                     f"idle before the first {(ms[0]['started_at'] - start).total_seconds():.1f}s, between "
+                     f"partitions {between:.1f}s, after the last {(end - ms[-1]['finished_at']).total_seconds():.1f}s, "
+                     f"in tasks outside the engine {outside:.1f}s")
+    return lines
+
+
 def stage_of(description: str, batch_id: str) -> str:
     """The stage a job belongs to: spark_llm's description after the batch id (Delta's own jobs prefix it)."""
     marker = f"spark_llm {batch_id}"
@@ -148,6 +168,8 @@ def main(argv=None) -> int:
     print(f"  partitions={len(metrics)} task_seconds={task_s:.1f} engine_seconds={engine_s:.1f} "
           f"engine_load_wait_seconds={wait_s:.1f} around_the_engine_seconds={task_s - engine_s - wait_s:.1f}")
     print(f"  busy_fraction={(result.batch.partition_plan or {}).get('busy_fraction')}")
+    for line in idle_lines(metrics):
+        print(f"  {line}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

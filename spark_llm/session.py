@@ -11,7 +11,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 from pyspark.sql import SparkSession
 
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 LOCAL_DEFAULTS = {
     "spark.sql.codegen.wholeStage": "false",
     "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+    "spark.scheduler.mode": "FAIR",  # the engines hold every task slot: scheduler_pool
+    "spark.scheduler.allocation.file": str(Path(__file__).with_name("fairscheduler.xml")),
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "2",
@@ -193,6 +195,26 @@ def spark_conf(spark: SparkSession) -> dict[str, str]:
 def is_local_master(spark_conf: Mapping[str, str]) -> bool:
     """The session runs in one process (``local``, ``local[N]``, ``local[N,F]``): its executor is on this host."""
     return re.fullmatch(r"local(\[[^\]]*\])?", spark_conf.get("spark.master", "").strip()) is not None
+
+
+@contextlib.contextmanager
+def scheduler_pool(spark: SparkSession, name: str) -> Iterator[None]:
+    """The block's Spark jobs (this thread's) in the fair scheduler's pool ``name``, the thread's pool restored
+    afterwards. Only in a local session in FAIR mode (:data:`LOCAL_DEFAULTS`), where the engines hold every task
+    slot: a slot an engine frees goes to the pool running the fewest tasks, so a commit's short tasks and the next
+    wave's shuffle run at once instead of behind the queued inference tasks while the engines wait. Elsewhere
+    nothing: a cluster's own pools (a notebook's, say) are left as they are."""
+    conf = {} if is_connect(spark) else spark_conf(spark)
+    if not is_local_master(conf) or conf.get("spark.scheduler.mode", "FIFO").upper() != "FAIR":
+        yield
+        return
+    sc = spark.sparkContext
+    previous = sc.getLocalProperty("spark.scheduler.pool")
+    sc.setLocalProperty("spark.scheduler.pool", name)
+    try:
+        yield
+    finally:
+        sc.setLocalProperty("spark.scheduler.pool", previous)  # type: ignore[arg-type]
 
 
 def default_parallelism(spark: SparkSession) -> int:

@@ -3,9 +3,14 @@
 Each wave runs its planned partitions through :func:`~spark_llm.infer.infer_partition` (one ``mapInPandas`` task
 per partition), stages the results once as Parquet, checks that every planned request has exactly one result, and
 commits them to the outputs and errors tables (one MERGE each, at the same time as the partitions' records go to the
-metrics table). Waves overlap (:data:`WAVES_IN_FLIGHT`): the engines
-start the next wave while the last one's slowest partitions finish and while it is committed. A crash loses at most
-the waves not yet committed; ``--resume`` continues from the last commit.
+metrics table). Waves overlap (:data:`WAVES_IN_FLIGHT`): the engines start the next wave while the last one's
+slowest partitions finish, and finished waves are committed from threads of their own, in wave order
+(:data:`COMMITS_IN_FLIGHT`), while the next ones infer. A crash loses at most the waves not yet committed;
+``--resume`` continues from the last commit.
+
+In a local session the engines hold every task slot, so a commit's tasks and a wave's shuffle can only run when an
+engine's task ends: there they run in a fair-scheduler pool served first (``session.scheduler_pool``), and a wave's
+shuffle runs when the wave is submitted (a local checkpoint), not when its first task would start.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_partitions, task_slots
 from .prepare import Outcomes
 from .schemas import RESULT_SCHEMA
-from .session import is_local_master, spark_conf
+from .session import is_local_master, scheduler_pool, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,9 @@ def waves_of(num_partitions: int, per_wave: int, before: int = 0) -> list[Wave]:
 #: Waves whose inference runs at once: while the last tasks of one wave run, free task slots start the next wave's,
 #: and a finished wave is committed while the next one infers.
 WAVES_IN_FLIGHT = 2
+#: Finished waves whose commits run or wait at once (in wave order): a commit never holds up submitting the next
+#: wave, and a crash loses at most these and the waves in flight.
+COMMITS_IN_FLIGHT = 2
 
 
 class _EngineJob(SparkJobInBackground):
@@ -193,9 +201,9 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     returns the partition plan. ``valid`` is read by the planning and by every wave: a filter of a persisted frame.
 
     Waves are pipelined: wave k+1 is submitted (a Spark job of its own, from a driver thread) while wave k still
-    runs, so no engine waits for the slowest partition of a wave; when wave k ends, wave k+2 is submitted before
-    wave k is committed, so the engines always have the next wave while the driver commits. Commits stay one at a
-    time and in wave order; a crash loses at most the waves not yet committed."""
+    runs, so no engine waits for the slowest partition of a wave; when wave k ends, wave k+2 is submitted and wave
+    k's commit starts in the background, so the engines always have the next wave while earlier ones commit.
+    Commits stay one at a time and in wave order; a crash loses at most the waves not yet committed."""
     slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
     if warmup is not None:
         warmup.wait()
@@ -214,6 +222,13 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
                        if r.get("model", model) == model]
     line = lambda: progress_line(label, records(), total, run.started, current["wave"])  # noqa: E731
     in_flight: deque[_WaveJob] = deque()
+    commits: deque[_CommitJob] = deque()
+
+    def commit(job: _WaveJob) -> None:  # in the background, after the one before; a bounded number at a time
+        commits.append(_CommitJob(run, plan, job, commits[-1] if commits else None))
+        while len(commits) > COMMITS_IN_FLIGHT or (commits and not commits[0].thread.is_alive()):
+            committed.extend(commits.popleft().result())
+
     try:
         with ProgressReporter(line, run.cfg.progress_interval_seconds):
             for wave in waves:
@@ -224,13 +239,15 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
                 in_flight.append(_WaveJob(run, valid, plan, wave, replace(ictx, wave=wave.number)))
                 current["wave"] = wave.label
                 if done is not None:
-                    committed.extend(_commit(run, plan, done))
+                    commit(done)
             while in_flight:
-                committed.extend(_commit(run, plan, in_flight.popleft()))
+                commit(in_flight.popleft())
+            while commits:
+                committed.extend(commits.popleft().result())
         storage.delete(run.spark, run.paths.staging)
     except BaseException:
         run.cancel_jobs()  # the waves still inferring
-        for job in in_flight:
+        for job in [*in_flight, *commits]:
             job.thread.join()
         raise
     return {**plan.as_dict(), "waves": len(waves)}
@@ -246,22 +263,51 @@ class _WaveJob(_EngineJob):
     def _infer(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, ictx: InferContext) -> None:
         run.describe(f"infer wave {self.wave.label}")
         requests = materialize(valid, plan, self.wave.first, self.wave.count).select(*INFER_INPUT)
+        if ictx.cpu_slots:  # a local session: its engines hold every task slot
+            with scheduler_pool(run.spark, "spark_llm-commit"):
+                requests = requests.localCheckpoint(eager=True)  # the shuffle now, not when an engine waits for it
         results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA, profile=run.gpu_profile)
-        results.write.mode("overwrite").parquet(self.staging)
+        with scheduler_pool(run.spark, "spark_llm-waves"):  # in order, beside the commits' pool
+            results.write.mode("overwrite").parquet(self.staging)
+
+
+class _CommitJob(SparkJobInBackground):
+    """A finished wave's commit (:func:`_commit`) from a driver thread of its own, after the commit of the wave
+    before (``after``; one that failed stops this one), so that committing never holds up the next waves."""
+
+    def __init__(self, run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]):
+        self.records: list[dict] = []
+        super().__init__(run.spark, f"spark_llm-commit-{job.wave.number}",
+                         lambda: self._run_after(run, plan, job, after))
+
+    def _run_after(self, run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]) -> None:
+        if after is not None:
+            after.wait()
+        self.records = _commit(run, plan, job)
+
+    def result(self) -> list[dict]:
+        """Wait for the commit; its partitions' records."""
+        self.wait()
+        return self.records
 
 
 def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[dict]:
     """Wait for a wave's inference, check that every planned request has one result, commit them to both tables
     and the partitions' records to the metrics table; returns the records."""
     job.wait()
+    with scheduler_pool(run.spark, "spark_llm-commit"):  # the next free task slot, not the last
+        return _commit_staged(run, plan, job)
+
+
+def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[dict]:
     wave = job.wave
+    run.describe(f"commit wave {wave.label}")
     staged = run.spark.read.parquet(job.staging)
     planned = sum(plan.requests_per_partition[wave.first:wave.first + wave.count])
     got, records = _staged_outcomes(staged)
     if got.rows != planned:  # the conservation check: one result per planned request
         raise RuntimeError(f"wave {wave.label}: {got.rows} results for {planned} planned requests; nothing of this "
                            f"wave was committed, rerun with --resume")
-    run.describe(f"commit wave {wave.label}")
     write.commit_wave(run, staged, got.ok, got.errors, records, plan.task_slots)
     log.info("batch %s: wave %s committed (%d partitions)", run.batch_id, wave.label, wave.count)
     faults.maybe_exit_after_wave(wave.number)

@@ -1,5 +1,5 @@
-"""What a local session learns once and reuses (no Spark started here): Delta's resolved jars and the JVM's
-class-data-sharing archive."""
+"""What a local session learns once and reuses (no Spark started for these): Delta's resolved jars and the JVM's
+class-data-sharing archive; and how the local session schedules the run's jobs."""
 
 from __future__ import annotations
 
@@ -39,3 +39,19 @@ def test_the_recorded_delta_jars_are_used_only_while_every_one_is_on_disk(tmp_pa
     assert session._recorded_delta_jars() is None
     session._record_delta_jars("file:///some/other.jar")  # a list without Delta's jar is not recorded
     assert session._recorded_delta_jars() is None
+
+
+def test_a_local_session_runs_a_block_s_jobs_in_its_fair_pool_and_restores_the_thread_s_pool(spark):
+    sc = spark.sparkContext
+    assert sc.getConf().get("spark.scheduler.mode") == "FAIR"
+    sc.setLocalProperty("spark.scheduler.pool", "the-callers-pool")
+    try:
+        with session.scheduler_pool(spark, "spark_llm-test-pool"):
+            assert sc.getLocalProperty("spark.scheduler.pool") == "spark_llm-test-pool"
+            spark.range(10).count()
+        assert sc.getLocalProperty("spark.scheduler.pool") == "the-callers-pool"
+    finally:
+        sc.setLocalProperty("spark.scheduler.pool", None)
+    # the job ran there: the fair scheduler made the pool when the job was submitted to it
+    assert sc._jsc.sc().getPoolForName("spark_llm-test-pool").isDefined()
+    assert not sc._jsc.sc().getPoolForName("spark_llm-never-used").isDefined()
