@@ -201,9 +201,9 @@ def is_local_master(spark_conf: Mapping[str, str]) -> bool:
 def scheduler_pool(spark: SparkSession, name: str) -> Iterator[None]:
     """The block's Spark jobs (this thread's) in the fair scheduler's pool ``name``, the thread's pool restored
     afterwards. Only in a local session in FAIR mode (:data:`LOCAL_DEFAULTS`), where the engines hold every task
-    slot: a slot an engine frees goes to the pool running the fewest tasks, so a commit's short tasks and the next
-    wave's shuffle run at once instead of behind the queued inference tasks while the engines wait. Elsewhere
-    nothing: a cluster's own pools (a notebook's, say) are left as they are."""
+    slot: a slot an engine frees goes first to ``spark_llm-commit`` (``fairscheduler.xml``), so a commit's short
+    tasks and the next wave's shuffle run at once instead of behind the queued inference tasks. Elsewhere nothing:
+    a cluster's own pools (a notebook's, say) are left as they are."""
     conf = {} if is_connect(spark) else spark_conf(spark)
     if not is_local_master(conf) or conf.get("spark.scheduler.mode", "FIFO").upper() != "FAIR":
         yield
