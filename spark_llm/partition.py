@@ -24,13 +24,12 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from .schemas import PREFIX_COL
 from .session import default_parallelism, spark_conf
 
 log = logging.getLogger(__name__)
 
 PART_COL = "_part"
-#: Column of the token stage's rows holding :func:`prefix_key`.
-PREFIX_COL = "prefix_key"
 #: Leading prompt tokens whose hashes make up a prefix key, shortest first. vLLM's prefix cache reuses blocks of 16
 #: tokens; a system prompt or few-shot block runs from tens to thousands of tokens.
 PREFIX_LEVELS = (16, 64, 256, 1024)

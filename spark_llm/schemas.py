@@ -25,13 +25,16 @@ VALIDATED_SCHEMA = _struct(
     ("error_code", S, True), ("error_message", S, True), ("raw_line", S, True),
 )
 
+#: Column of the token stage's rows holding each request's place in the prefix order (partition.prefix_key).
+PREFIX_COL = "prefix_key"
+
 #: tokens.count_batches output.
 TOKENIZED_SCHEMA = T.StructType(VALIDATED_SCHEMA.fields + [
     # one list per prompt: a completions request may hold several
     T.StructField("prompt_token_ids", T.ArrayType(T.ArrayType(I, containsNull=False), containsNull=False), True),
     T.StructField("prompt_tokens", L, True),
     T.StructField("est_tokens", L, True),  # the request's cost in the partition plan (tokens.estimated_tokens)
-    T.StructField("prefix_key", L, True),  # its place in the prefix order of the plan (partition.prefix_key)
+    T.StructField(PREFIX_COL, L, True),
     T.StructField("notes", S, True),
 ])
 

@@ -39,6 +39,10 @@ LOCAL_DEFAULTS = {
     "spark.sql.sources.partitionOverwriteMode": "dynamic",
     "spark.driver.memory": "2g",
 }
+#: The fair-scheduler pools of a local session (configured in fairscheduler.xml, see scheduler_pool): the one served
+#: first when an engine's task ends (commits, a wave's shuffle), and the inference tasks', in wave order.
+FIRST_POOL = "spark_llm-commit"
+WAVES_POOL = "spark_llm-waves"
 #: JVM options of a local session's driver (which is also its executor): the client compiler only. A short run
 #: otherwise spends more CPU time in the JIT's optimising compiler than in Spark's own work, on the same cores as
 #: the engines; the work a local JVM does (reading, shuffles, Delta commits) is small beside the engines'. Options
@@ -201,7 +205,7 @@ def is_local_master(spark_conf: Mapping[str, str]) -> bool:
 def scheduler_pool(spark: SparkSession, name: str) -> Iterator[None]:
     """The block's Spark jobs (this thread's) in the fair scheduler's pool ``name``, the thread's pool restored
     afterwards. Only in a local session in FAIR mode (:data:`LOCAL_DEFAULTS`), where the engines hold every task
-    slot: a slot an engine frees goes first to ``spark_llm-commit`` (``fairscheduler.xml``), so a commit's short
+    slot: a slot an engine frees goes first to :data:`FIRST_POOL` (``fairscheduler.xml``), so a commit's short
     tasks and the next wave's shuffle run at once instead of behind the queued inference tasks. Elsewhere nothing:
     a cluster's own pools (a notebook's, say) are left as they are."""
     conf = {} if is_connect(spark) else spark_conf(spark)

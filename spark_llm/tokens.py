@@ -21,6 +21,7 @@ from .endpoints import BY_KIND
 from .endpoints.common import check_token_ids
 from .errors import ErrorCode
 from .partition import prefix_key
+from .schemas import PREFIX_COL
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,6 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
         pdf["prompt_token_ids"] = ids_col
         pdf["prompt_tokens"] = pd.array(n_col, dtype="Int64")
         pdf["est_tokens"] = pd.array(est_col, dtype="Int64")
-        pdf["prefix_key"] = pd.array(key_col, dtype="Int64")
+        pdf[PREFIX_COL] = pd.array(key_col, dtype="Int64")
         pdf["notes"] = notes_col
         yield pdf

@@ -38,7 +38,7 @@ from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_partitions, task_slots
 from .prepare import Outcomes
 from .schemas import RESULT_SCHEMA
-from .session import is_local_master, scheduler_pool, spark_conf
+from .session import FIRST_POOL, WAVES_POOL, is_local_master, scheduler_pool, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -264,10 +264,10 @@ class _WaveJob(_EngineJob):
         run.describe(f"infer wave {self.wave.label}")
         requests = materialize(valid, plan, self.wave.first, self.wave.count).select(*INFER_INPUT)
         if ictx.cpu_slots:  # a local session: its engines hold every task slot
-            with scheduler_pool(run.spark, "spark_llm-commit"):
+            with scheduler_pool(run.spark, FIRST_POOL):
                 requests = requests.localCheckpoint(eager=True)  # the shuffle now, not when an engine waits for it
         results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA, profile=run.gpu_profile)
-        with scheduler_pool(run.spark, "spark_llm-waves"):  # in order, beside the commits' pool
+        with scheduler_pool(run.spark, WAVES_POOL):  # in order, beside the commits' pool
             results.write.mode("overwrite").parquet(self.staging)
 
 
@@ -295,7 +295,7 @@ def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[dict]:
     """Wait for a wave's inference, check that every planned request has one result, commit them to both tables
     and the partitions' records to the metrics table; returns the records."""
     job.wait()
-    with scheduler_pool(run.spark, "spark_llm-commit"):  # the next free task slot, not the last
+    with scheduler_pool(run.spark, FIRST_POOL):  # the next free task slot, not the last
         return _commit_staged(run, plan, job)
 
 
