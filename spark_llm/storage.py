@@ -4,7 +4,7 @@ Files: with a classic session they go through Hadoop ``FileSystem`` streams in t
 ``hdfs://``, ``s3a://``, ``abfss://``, ``dbfs:/`` ...); a Spark Connect session has no JVM in this process, so there
 each file operation is a one-task Spark job whose Python worker uses pyarrow's filesystems (:func:`python_filesystem`)
 on the cluster, where the paths are. Either way no data passes through the Python driver, and every file we write
-appears by rename, never half written. Tables go through Spark SQL and DataFrame writes (``MERGE INTO``, ``DELETE``,
+appears by rename, never half written. Tables go through Spark SQL and DataFrame writes (appends, ``DELETE``,
 ``DESCRIBE HISTORY``, values as escaped literals), which work over both kinds of session.
 """
 
@@ -292,7 +292,7 @@ def _write_in_one_task(lines: DataFrame, dest: str) -> None:
 # ---- tables ------------------------------------------------------------------------------------------------------
 
 def sql_string(value: str) -> str:
-    """A SQL string literal (Delta's MERGE and DELETE do not bind parameter markers)."""
+    """A SQL string literal (Delta's DELETE does not bind parameter markers)."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
@@ -370,18 +370,12 @@ def ensure_table(spark: SparkSession, table: str, columns: dict) -> None:
     _save(conform(empty, columns).write.format("delta").partitionBy("batch_id"), table)
 
 
-def insert_new(df: DataFrame, table: str, columns: dict, batch_id: str) -> None:
-    """Insert the rows whose (batch_id, id) is not in the table yet: one Delta MERGE, so a retried or resumed write
-    never adds a second row for the same request."""
-    spark = df.sparkSession
-    view = f"spark_llm_source_{uuid.uuid4().hex}"
-    conform(df, columns).createOrReplaceTempView(view)
-    try:
-        # the batch_id literal lets Delta read only that batch's partition of the target
-        spark.sql(f"MERGE INTO {sql_name(table)} AS t USING {view} AS s "
-                  f"ON t.batch_id = {sql_string(batch_id)} AND t.id = s.id WHEN NOT MATCHED THEN INSERT *")
-    finally:
-        spark.catalog.dropTempView(view)
+def append_rows(df: DataFrame, table: str, columns: dict) -> None:
+    """Append ``df`` as the table's columns: one blind Delta append, which reads nothing of the table (a MERGE that
+    inserted only new ids read every id of the batch's partition at every wave, a cost growing with the batch) and
+    never conflicts with other appends. Exactly-once is the caller's: a run writes only requests that no committed
+    row answers (:func:`~spark_llm.write.pending`), each once, one writer per batch."""
+    _save(conform(df, columns).write.format("delta").mode("append"), table)
 
 
 def append_records(spark: SparkSession, records: list[dict], table: str, columns: dict) -> None:

@@ -2,7 +2,7 @@
 
 Each wave runs its planned partitions through :func:`~spark_llm.infer.infer_partition` (one ``mapInPandas`` task
 per partition), stages the results once as Parquet, checks that every planned request has exactly one result, and
-commits them to the outputs and errors tables (one MERGE each, at the same time as the partitions' records go to the
+commits them to the outputs and errors tables (one append each, at the same time as the partitions' records go to the
 metrics table). Waves overlap (:data:`WAVES_IN_FLIGHT`): the engines start the next wave while the last one's
 slowest partitions finish, and finished waves are committed from threads of their own, in wave order
 (:data:`COMMITS_IN_FLIGHT`), while the next ones infer. A crash loses at most the waves not yet committed;

@@ -1,7 +1,9 @@
 """The result tables and the OpenAI files: where a run's rows go, exactly once.
 
-Rows reach the ``outputs`` and ``errors`` Delta tables by MERGE on (batch_id, id), so a retried or resumed write
-never adds a second row for a request. ``output.jsonl`` and ``errors.jsonl`` are rebuilt from the tables at the end
+Rows reach the ``outputs`` and ``errors`` Delta tables by plain appends, each request's once: a run writes only the
+requests that no row of either table answers as of its start (:func:`pending`, with ``resume``; without it a batch
+that has rows is refused or, with ``overwrite``, deleted first), every planned request in exactly one wave, and a
+wave's rows in one atomic commit per table, so a resumed run never adds a second row for a request. ``output.jsonl`` and ``errors.jsonl`` are rebuilt from the tables at the end
 of a run by Spark (see :func:`~spark_llm.storage.write_single_text_file`); no row passes through the driver.
 """
 
@@ -120,7 +122,7 @@ def embedding_rows(results: DataFrame, run: RunContext) -> DataFrame:
 
 def insert_errors(run: RunContext, rows: DataFrame) -> None:
     wait_for_writes(run)
-    storage.insert_new(rows, run.paths.errors_table, ERRORS_COLUMNS, run.batch_id)
+    storage.append_rows(rows, run.paths.errors_table, ERRORS_COLUMNS)
 
 
 def insert_errors_meanwhile(run: RunContext, rows: DataFrame) -> RunContext:
@@ -138,11 +140,11 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
     wait_for_writes(run)
     writes: list[Callable[[], None]] = []
     if responses:
-        writes.append(lambda: storage.insert_new(output_rows(results, run), run.paths.outputs_table,
-                                                 OUTPUTS_COLUMNS, run.batch_id))
+        writes.append(lambda: storage.append_rows(output_rows(results, run), run.paths.outputs_table,
+                                                  OUTPUTS_COLUMNS))
         if run.cfg.runner == "pooling":  # the model this wave ran on
-            writes.append(lambda: storage.insert_new(embedding_rows(results, run), run.paths.embeddings_table,
-                                                     EMBEDDINGS_COLUMNS, run.batch_id))
+            writes.append(lambda: storage.append_rows(embedding_rows(results, run), run.paths.embeddings_table,
+                                                      EMBEDDINGS_COLUMNS))
     if errors:
         writes.append(lambda: insert_errors(run, error_rows(results, run)))
     if records:
