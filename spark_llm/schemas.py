@@ -103,6 +103,14 @@ EMBEDDINGS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "created_at": (T.TimestampType(), "When the embedding was computed"),
 }
 
+#: Columns each result table keeps Delta file statistics for (min/max/nulls, ``delta.dataSkippingStatsColumns``, set
+#: when spark_llm creates the table): the keys a SQL reader looks rows up by, and the time. Delta's default is a
+#: table's first 32 columns, the long JSON texts (response bodies, raw lines) included, whose statistics skip
+#: nothing and cost every commit: 0.8 s instead of 1.5 s for a wave of 3,300 outputs rows here.
+OUTPUTS_STATS = ("id", "custom_id", "request_id", "created_at")
+ERRORS_STATS = ("id", "custom_id", "code", "created_at")
+EMBEDDINGS_STATS = ("id", "custom_id", "input_index", "created_at")
+
 #: Column -> comment of the metrics table, one row per inference partition (see metrics.py).
 METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "batch_id": (S, "Batch the partition belongs to"),

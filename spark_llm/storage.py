@@ -16,7 +16,7 @@ import logging
 import os
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -355,9 +355,10 @@ def conform(df: DataFrame, columns: dict) -> DataFrame:
                       for name, (dtype, comment) in columns.items()])
 
 
-def ensure_table(spark: SparkSession, table: str, columns: dict) -> None:
-    """Create the (empty) Delta table, partitioned by batch_id, with column comments, if it does not exist; add the
-    columns a table made by an earlier version of spark_llm lacks (they read as null for its older rows)."""
+def ensure_table(spark: SparkSession, table: str, columns: dict, stats_columns: Sequence[str] = ()) -> None:
+    """Create the (empty) Delta table, partitioned by batch_id, with column comments and file statistics on
+    ``stats_columns`` only (Delta's default when empty), if it does not exist; add the columns a table made by an
+    earlier version of spark_llm lacks (they read as null for its older rows)."""
     if table_exists(spark, table):
         have = {f.name for f in read_table(spark, table).schema.fields}
         missing = [(n, t, c) for n, (t, c) in columns.items() if n not in have]
@@ -366,8 +367,10 @@ def ensure_table(spark: SparkSession, table: str, columns: dict) -> None:
             added = ", ".join(f"`{n}` {t.simpleString()} COMMENT '{c.replace(chr(39), '')}'" for n, t, c in missing)
             spark.sql(f"ALTER TABLE {ref} ADD COLUMNS ({added})")
         return
-    empty = spark.createDataFrame([], table_schema(columns))
-    _save(conform(empty, columns).write.format("delta").partitionBy("batch_id"), table)
+    writer = conform(spark.createDataFrame([], table_schema(columns)), columns).write.format("delta")
+    if stats_columns:
+        writer = writer.option("delta.dataSkippingStatsColumns", ",".join(stats_columns))
+    _save(writer.partitionBy("batch_id"), table)
 
 
 def append_rows(df: DataFrame, table: str, columns: dict) -> None:

@@ -22,7 +22,8 @@ from .background import SparkJobInBackground
 from .config import ConfigError
 from .context import RunContext
 from .errors import ErrorCode
-from .schemas import EMBEDDINGS_COLUMNS, ERRORS_COLUMNS, METRICS_COLUMNS, OUTPUTS_COLUMNS, json_string
+from .schemas import (EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS, ERRORS_COLUMNS, ERRORS_STATS, METRICS_COLUMNS,
+                      OUTPUTS_COLUMNS, OUTPUTS_STATS, json_string)
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,13 @@ def prepare_destination(run: RunContext) -> RunContext:
                     raise ConfigError(f"table {table} already holds rows of batch {run.batch_id!r}; pass --resume "
                                       f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
                 storage.delete_rows(spark, table, run.batch_id)
-    tables = [(paths.outputs_table, OUTPUTS_COLUMNS), (paths.errors_table, ERRORS_COLUMNS)]
+    tables = [(paths.outputs_table, OUTPUTS_COLUMNS, OUTPUTS_STATS), (paths.errors_table, ERRORS_COLUMNS, ERRORS_STATS)]
     if run.has_embeddings:
-        tables.append((paths.embeddings_table, EMBEDDINGS_COLUMNS))
+        tables.append((paths.embeddings_table, EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS))
 
     def create() -> None:
-        for table, columns in tables:
-            storage.ensure_table(spark, table, columns)
+        for table, columns, stats in tables:
+            storage.ensure_table(spark, table, columns, stats)
     return replace(run, table_writes=SparkJobInBackground(spark, "spark_llm-tables", create))
 
 

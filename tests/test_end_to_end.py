@@ -17,7 +17,7 @@ from batch_lines import OK
 from conftest import ADAPTER, KILL_CUSTOM_ID, MODEL_NAME, POISON_ENGINE_ID, POISON_WORKER_ID, ROOT, engine_settings
 from spark_llm import BatchConfig, ConfigError, run_batch
 from spark_llm.report_html import PLOTS
-from spark_llm.schemas import ERRORS_COLUMNS, OUTPUTS_COLUMNS, BatchOutputLine
+from spark_llm.schemas import ERRORS_COLUMNS, ERRORS_STATS, OUTPUTS_COLUMNS, OUTPUTS_STATS, BatchOutputLine
 
 pytestmark = pytest.mark.engine
 
@@ -129,6 +129,17 @@ def test_tables_carry_column_comments(spark, run):
     for df, columns in ((outputs_df(spark, result), OUTPUTS_COLUMNS), (errors_df(spark, result), ERRORS_COLUMNS)):
         assert df.columns == list(columns)
         assert all(f.metadata.get("comment") == columns[f.name][1] for f in df.schema.fields)
+
+
+def test_result_tables_keep_file_statistics_on_their_keys_only(run):
+    result, _, _ = run
+    for table, stats in ((result.outputs_table, OUTPUTS_STATS), (result.errors_table, ERRORS_STATS)):
+        added = [json.loads(line)["add"] for log in sorted(Path(table, "_delta_log").glob("*.json"))
+                 for line in log.read_text().splitlines() if '"add"' in line]
+        assert added, table  # the run appended files
+        for action in added:
+            recorded = json.loads(action["stats"])
+            assert set(recorded["nullCount"]) == set(stats), table  # not the response bodies or raw lines
 
 
 def test_responses_content_and_usage(spark, run, tiny_model):
