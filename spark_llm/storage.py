@@ -312,6 +312,11 @@ def is_table_name(table: str) -> bool:
 
 
 def is_delta_path(spark: SparkSession, path: str) -> bool:
+    """Whether ``path`` is a Delta table. With a classic session, a path that is no directory with a ``_delta_log``
+    (a JSONL file, a glob, a table not created yet) is answered by the filesystem in milliseconds; the rest by Delta
+    (DESCRIBE DETAIL loads the table's log: seconds of the driver's time the first time in a session)."""
+    if not is_connect(spark) and not is_dir(spark, path.rstrip("/") + "/_delta_log"):
+        return False
     try:
         spark.sql(f"DESCRIBE DETAIL {sql_name(path)}").collect()  # one row of metadata
         return True
