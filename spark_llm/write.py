@@ -3,8 +3,10 @@
 Rows reach the ``outputs`` and ``errors`` Delta tables by plain appends, each request's once: a run writes only the
 requests that no row of either table answers as of its start (:func:`pending`, with ``resume``; without it a batch
 that has rows is refused or, with ``overwrite``, deleted first), every planned request in exactly one wave, and a
-wave's rows in one atomic commit per table, so a resumed run never adds a second row for a request. ``output.jsonl`` and ``errors.jsonl`` are rebuilt from the tables at the end
-of a run by Spark (see :func:`~spark_llm.storage.write_single_text_file`); no row passes through the driver.
+wave's rows in one atomic commit per table, so a resumed run never adds a second row for a request (one writer per
+batch: two runs of one batch at the same time are not guarded against). ``output.jsonl`` and ``errors.jsonl`` are
+rebuilt from the tables at the end of a run by Spark (see :func:`~spark_llm.storage.write_single_text_file`); no
+row passes through the driver.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def prepare_destination(run: RunContext) -> RunContext:
                     raise ConfigError(f"table {table} already holds rows of batch {run.batch_id!r}; pass --resume "
                                       f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
                 storage.delete_rows(spark, table, run.batch_id)
-    tables = [(paths.outputs_table, OUTPUTS_COLUMNS, OUTPUTS_STATS), (paths.errors_table, ERRORS_COLUMNS, ERRORS_STATS)]
+    tables = [(paths.outputs_table, OUTPUTS_COLUMNS, OUTPUTS_STATS),
+              (paths.errors_table, ERRORS_COLUMNS, ERRORS_STATS)]
     if run.has_embeddings:
         tables.append((paths.embeddings_table, EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS))
 
