@@ -126,4 +126,3 @@ def test_requests_sharing_a_prefix_share_a_partition_and_stay_balanced(spark):
         assert spread[True] <= 2.0 and spread[False] >= 6.0, spread
     finally:
         df.unpersist()
-
