@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from .endpoints import BY_KIND
 from .endpoints.common import check_token_ids
@@ -94,8 +94,29 @@ def render_prompt(tokenizer: Any, kind: str, prompt: Any,
                   char_limit: Optional[int] = None) -> tuple[list[list[int]], bool]:
     """Token ids the engine will see, one list per prompt (the endpoint's rendering: the chat template applied to
     messages and tools, or the completion prompts), and whether only the first ``char_limit`` characters were
-    tokenized."""
-    return BY_KIND[kind].render(tokenizer, prompt, char_limit)
+    tokenized. One request; :func:`count_rows` renders many with one tokenizer call."""
+    endpoint = BY_KIND[kind]
+    parts, cut = _cut(endpoint.prompt_texts(tokenizer, prompt), char_limit)
+    texts = [i for i, p in enumerate(parts) if isinstance(p, str)]
+    for i, ids in zip(texts, encode_texts(tokenizer, [parts[i] for i in texts], endpoint.ADD_SPECIAL_TOKENS)):
+        parts[i] = ids
+    return parts, cut
+
+
+def _cut(parts: list, char_limit: Optional[int]) -> tuple[list, bool]:
+    """The prompts with each text cut to ``char_limit`` characters, and whether any was."""
+    if char_limit is None or not any(isinstance(p, str) and len(p) > char_limit for p in parts):
+        return parts, False
+    return [p[:char_limit] if isinstance(p, str) else p for p in parts], True
+
+
+def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """``tokenizer.encode`` of each text, in one call: a fast tokenizer encodes a list in Rust, about half the time
+    of a call per text (the per-call work in Python is as large as the encoding of a 300-token prompt)."""
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False,
+                     return_token_type_ids=False)["input_ids"]
 
 
 def estimated_tokens(prompt_tokens: int, prompts: int, sampling: dict, max_tokens: int) -> int:
@@ -105,11 +126,67 @@ def estimated_tokens(prompt_tokens: int, prompts: int, sampling: dict, max_token
 
 
 def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, ctx: TokenContext) -> dict:
-    """Token ids, counts and the context-length decision for one valid request."""
-    prompt = json.loads(prompt_json)
-    sampling = json.loads(sampling_json)
+    """Token ids, counts and the context-length decision for one valid request (:func:`count_rows` of one)."""
+    return count_rows(tokenizer, [(kind, prompt_json, sampling_json)], ctx)[0]
+
+
+def count_rows(tokenizer: Any, rows: Sequence[tuple[str, str, str]], ctx: TokenContext) -> list[dict]:
+    """:func:`count_row` of many valid requests (``kind``, ``prompt_json``, ``sampling_json``): each prompt rendered
+    (the chat template), then all their texts encoded in one tokenizer call per kind of special tokens. A request
+    whose template or tokenizer fails gets an ``invalid_request`` result of its own."""
+    limit = ctx.max_model_len * _MAX_CHARS_PER_TOKEN
+    staged: list[Any] = []  # per row: [prompt, sampling, parts, cut], or the exception that stopped it
+    texts: dict[bool, list[tuple[int, int, str]]] = {True: [], False: []}  # (row, prompt, text) per special tokens
+    for r, (kind, prompt_json, sampling_json) in enumerate(rows):
+        try:
+            prompt, sampling, endpoint = json.loads(prompt_json), json.loads(sampling_json), BY_KIND[kind]
+            parts, cut = _cut(endpoint.prompt_texts(tokenizer, prompt), limit)
+        except Exception as exc:
+            staged.append(exc)
+            continue
+        staged.append([prompt, sampling, parts, cut])
+        texts[endpoint.ADD_SPECIAL_TOKENS].extend((r, i, p) for i, p in enumerate(parts) if isinstance(p, str))
+    for special, items in texts.items():
+        for (r, i, _), ids in zip(items, _encode_each_failing_alone(tokenizer, [t for _, _, t in items], special)):
+            if isinstance(staged[r], Exception):
+                continue
+            if isinstance(ids, Exception):
+                staged[r] = ids
+            else:
+                staged[r][2][i] = ids
+    out, vocab = [], len(tokenizer)
+    for (kind, _, sampling_json), st in zip(rows, staged):
+        try:
+            if isinstance(st, Exception):
+                raise st
+            out.append(_decide(tokenizer, vocab, kind, *st, sampling_json, ctx))
+        except Exception as exc:
+            out.append({"prompt_token_ids": None, "prompt_tokens": None, "notes": None, "est_tokens": None,
+                        "sampling_json": sampling_json, "max_tokens": None,
+                        "error_code": ErrorCode.INVALID_REQUEST.value,
+                        "error_message": f"prompt could not be tokenized: {type(exc).__name__}: {exc}"[:1000]})
+    return out
+
+
+def _encode_each_failing_alone(tokenizer: Any, texts: list[str], special: bool) -> list:
+    """:func:`encode_texts`; when the call fails, each text on its own (the failing ones as their exception)."""
+    try:
+        return encode_texts(tokenizer, texts, special)
+    except Exception:
+        out: list[Any] = []
+        for t in texts:
+            try:
+                out.extend(encode_texts(tokenizer, [t], special))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+
+def _decide(tokenizer: Any, vocab: int, kind: str, prompt: Any, sampling: dict, ids: list[list[int]],
+            truncated: bool, sampling_json: str, ctx: TokenContext) -> dict:
+    """The counts and the context-length decision for a request rendered to ``ids`` (``vocab``: the tokenizer's
+    size)."""
     max_tokens = int(sampling["max_tokens"])
-    ids, truncated = render_prompt(tokenizer, kind, prompt, ctx.max_model_len * _MAX_CHARS_PER_TOKEN)
     longest = max(len(p) for p in ids)
     if truncated and longest + max_tokens <= ctx.max_model_len:  # pathological chars/token: count it all
         ids, truncated = render_prompt(tokenizer, kind, prompt)
@@ -118,7 +195,6 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
     out = {"prompt_token_ids": ids, "prompt_tokens": n_prompt, "max_tokens": max_tokens, "notes": None,
            "est_tokens": estimated_tokens(n_prompt, len(ids), sampling, max_tokens),
            "sampling_json": sampling_json, "error_code": None, "error_message": None}
-    vocab = len(tokenizer)
     problem = check_token_ids(sampling, vocab)
     if problem is None and any(p and max(p) >= vocab for p in ids):
         problem = f"body.prompt holds token ids outside the vocabulary (size {vocab})"
@@ -148,55 +224,39 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
 
 def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, TokenContext]) -> Iterator:
     """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens, prefix_key and notes; error rows pass
-    through.
+    through. Each batch's requests of one model are counted together (:func:`count_rows`).
     ``contexts``: one context, or one per served model name (each row is counted for its ``model``)."""
     import pandas as pd
 
-    tokenizers: dict[str, Any] = {}
     for pdf in batches:
-        ids_col, n_col, est_col, key_col, notes_col = [], [], [], [], []
-        pdf = pdf.copy()
-        for i in range(len(pdf)):
-            if pdf["error_code"].iat[i] is not None:
-                ids_col.append(None)
-                n_col.append(None)
-                est_col.append(None)
-                key_col.append(None)
-                notes_col.append(None)
-                continue
-            ctx = contexts if isinstance(contexts, TokenContext) else contexts[pdf["model"].iat[i]]
-            tokenizer = tokenizers.get(ctx.tokenizer)
-            if tokenizer is None:
-                tokenizer = tokenizers[ctx.tokenizer] = get_tokenizer(ctx.tokenizer)
-            try:
-                res = count_row(tokenizer, pdf["kind"].iat[i], pdf["prompt_json"].iat[i],
-                                pdf["sampling_json"].iat[i], ctx)
-            except Exception as exc:  # a template or tokenizer failure on one request is that request's error
-                res = {"prompt_token_ids": None, "prompt_tokens": None, "notes": None,
-                       "sampling_json": pdf["sampling_json"].iat[i], "max_tokens": pdf["max_tokens"].iat[i],
-                       "error_code": ErrorCode.INVALID_REQUEST.value,
-                       "error_message": f"prompt could not be tokenized: {type(exc).__name__}: {exc}"[:1000]}
-            if res["error_code"] is not None:
-                pdf.iat[i, pdf.columns.get_loc("error_code")] = res["error_code"]
-                pdf.iat[i, pdf.columns.get_loc("error_message")] = res["error_message"]
-                ids_col.append(None)
-                n_col.append(res["prompt_tokens"])
-                est_col.append(None)
-                key_col.append(None)
-                notes_col.append(None)
-                continue
-            pdf.iat[i, pdf.columns.get_loc("sampling_json")] = res["sampling_json"]
-            pdf.iat[i, pdf.columns.get_loc("max_tokens")] = res["max_tokens"]
-            ids_col.append(res["prompt_token_ids"])
-            n_col.append(res["prompt_tokens"])
-            est_col.append(res["est_tokens"])
-            options = pdf["options_json"].iat[i]
-            key_col.append(prefix_key(res["prompt_token_ids"][0],
-                                      json.loads(options).get("adapter") if options else None))
-            notes_col.append(res["notes"])
-        pdf["prompt_token_ids"] = ids_col
-        pdf["prompt_tokens"] = pd.array(n_col, dtype="Int64")
-        pdf["est_tokens"] = pd.array(est_col, dtype="Int64")
-        pdf[PREFIX_COL] = pd.array(key_col, dtype="Int64")
-        pdf["notes"] = notes_col
-        yield pdf
+        n = len(pdf)
+        codes, messages = pdf["error_code"].tolist(), pdf["error_message"].tolist()
+        sampling, max_tokens = pdf["sampling_json"].tolist(), pdf["max_tokens"].tolist()
+        kinds, prompts, options = pdf["kind"].tolist(), pdf["prompt_json"].tolist(), pdf["options_json"].tolist()
+        ids_col: list[Any] = [None] * n
+        n_col: list[Any] = [None] * n
+        est_col: list[Any] = [None] * n
+        key_col: list[Any] = [None] * n
+        notes_col: list[Any] = [None] * n
+        by_context: dict[TokenContext, list[int]] = {}
+        for i, (code, model) in enumerate(zip(codes, pdf["model"].tolist())):
+            if code is None:
+                ctx = contexts if isinstance(contexts, TokenContext) else contexts[model]
+                by_context.setdefault(ctx, []).append(i)
+        for ctx, rows in by_context.items():
+            results = count_rows(get_tokenizer(ctx.tokenizer), [(kinds[i], prompts[i], sampling[i]) for i in rows],
+                                 ctx)
+            for i, res in zip(rows, results):
+                n_col[i] = res["prompt_tokens"]
+                if res["error_code"] is not None:
+                    codes[i], messages[i] = res["error_code"], res["error_message"]
+                    continue
+                sampling[i], max_tokens[i] = res["sampling_json"], res["max_tokens"]
+                ids_col[i], est_col[i], notes_col[i] = res["prompt_token_ids"], res["est_tokens"], res["notes"]
+                key_col[i] = prefix_key(res["prompt_token_ids"][0],
+                                        json.loads(options[i]).get("adapter") if options[i] else None)
+        yield pdf.assign(**{"error_code": codes, "error_message": messages, "sampling_json": sampling,
+                            "max_tokens": pd.array(max_tokens, dtype="Int64"), "prompt_token_ids": ids_col,
+                            "prompt_tokens": pd.array(n_col, dtype="Int64"),
+                            "est_tokens": pd.array(est_col, dtype="Int64"),
+                            PREFIX_COL: pd.array(key_col, dtype="Int64"), "notes": notes_col})

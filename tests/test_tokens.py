@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from spark_llm.tokens import TokenContext, count_row, get_tokenizer
+from spark_llm.tokens import TokenContext, count_row, count_rows, get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,25 @@ def test_token_id_prompts_outside_the_vocabulary(tok, tiny_model):
     ctx = TokenContext(tiny_model, max_model_len=128, context_overflow="error")
     res = count_row(tok, "completion", completion([1, 2, 10**6]), json.dumps({"max_tokens": 4}), ctx)
     assert res["error_code"] == "invalid_request" and "vocabulary" in res["error_message"]
+
+
+def test_many_requests_counted_together_equal_each_counted_alone_and_a_bad_one_fails_alone(tok, tiny_model):
+    ctx = TokenContext(tiny_model, max_model_len=64, context_overflow="truncate")
+    sampling = json.dumps({"max_tokens": 8})
+    rows = [("chat", chat("hello world"), sampling),
+            ("completion", completion("a b", [5, 6, 7]), sampling),
+            ("completion", '["lone surrogate \\ud800"]', sampling),  # valid JSON the tokenizer refuses
+            ("chat", json.dumps({"messages": 5}), sampling),  # the template fails on this one
+            ("completion", completion("data " * 60), sampling),  # lowered max_tokens
+            ("responses", chat("hi"), sampling)]
+    together = count_rows(tok, rows, ctx)
+    assert together == [count_row(tok, *row, ctx) for row in rows]
+    assert [r["error_code"] for r in together] == [None, None, "invalid_request", "invalid_request", None, None]
+    assert all(r["error_message"].startswith("prompt could not be tokenized: ") for r in together[2:4])
+    assert together[4]["notes"].startswith("max_tokens lowered from 8 to ")
+    assert together[0]["prompt_token_ids"] == [tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False)]
 
 
 def test_later_processes_load_the_tokenizer_class_autotokenizer_chose_without_torch(tiny_model, tmp_path):

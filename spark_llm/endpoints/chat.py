@@ -51,12 +51,13 @@ def check(body: dict, ctx: Any) -> Checked:
     return Checked(prompt, sp, options)
 
 
-def render(tokenizer: Any, prompt: dict, char_limit: Optional[int] = None) -> tuple[list[list[int]], bool]:
-    """Token ids of the chat template applied to the messages (and tools), as the engine will see them."""
-    text = tokenizer.apply_chat_template(prompt["messages"], tools=prompt.get("tools"), tokenize=False,
-                                         add_generation_prompt=True, **prompt.get("template_kwargs", {}))
-    cut = char_limit is not None and len(text) > char_limit
-    return [tokenizer.encode(text[:char_limit] if cut else text, add_special_tokens=False)], cut
+ADD_SPECIAL_TOKENS = False  #: the chat template writes the special tokens itself
+
+
+def prompt_texts(tokenizer: Any, prompt: dict) -> list[str]:
+    """The chat template applied to the messages (and tools): the one text the engine will see."""
+    return [tokenizer.apply_chat_template(prompt["messages"], tools=prompt.get("tools"), tokenize=False,
+                                          add_generation_prompt=True, **prompt.get("template_kwargs", {}))]
 
 
 def respond(outputs: list, reply: Reply) -> Answer:

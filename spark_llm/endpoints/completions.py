@@ -34,17 +34,12 @@ def check(body: dict, ctx: Any) -> Checked:
     return Checked(prompts, sp, options)
 
 
-def render(tokenizer: Any, prompts: list, char_limit: Optional[int] = None) -> tuple[list[list[int]], bool]:
-    """Token ids per prompt: text prompts encoded with the tokenizer's special tokens (BOS), id prompts as given."""
-    out, cut_any = [], False
-    for p in prompts:
-        if isinstance(p, list):
-            out.append([int(t) for t in p])
-            continue
-        cut = char_limit is not None and len(p) > char_limit
-        out.append(tokenizer.encode(p[:char_limit] if cut else p, add_special_tokens=True))
-        cut_any = cut_any or cut
-    return out, cut_any
+ADD_SPECIAL_TOKENS = True  #: text prompts get the tokenizer's special tokens (BOS), as vLLM's server does
+
+
+def prompt_texts(tokenizer: Any, prompts: list) -> list:
+    """One entry per prompt: a text prompt as given, a token-id prompt as its ids."""
+    return [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
 
 
 def respond(outputs: list, reply: Reply) -> Answer:

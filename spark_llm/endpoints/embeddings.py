@@ -16,7 +16,8 @@ PARSE_REASONING = False
 FIELDS = common.HARMLESS_FIELDS | {"input", "encoding_format", "dimensions"}
 MAX_INPUTS = 2048  #: OpenAI's limit of inputs per request
 
-render = completions.render  # the tokenizer's special tokens around text inputs, token-id inputs as given
+#: the tokenizer's special tokens around text inputs, token-id inputs as given
+prompt_texts, ADD_SPECIAL_TOKENS = completions.prompt_texts, completions.ADD_SPECIAL_TOKENS
 
 
 def check(body: dict, ctx: Any) -> Checked:

@@ -25,7 +25,7 @@ FIELDS = (common.SAMPLING_FIELDS | common.HARMLESS_FIELDS
 _STATEFUL = ("previous_response_id", "conversation")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
-render = chat.render  # the same chat template inputs
+prompt_texts, ADD_SPECIAL_TOKENS = chat.prompt_texts, chat.ADD_SPECIAL_TOKENS  # the chat template's
 
 
 def check(body: dict, ctx: Any) -> Checked:
