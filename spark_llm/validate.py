@@ -140,6 +140,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: A JSON escape of a UTF-16 surrogate (``\ud83d`` of a pair, or a lone one).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _parse_json(text: str) -> dict:
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
@@ -149,6 +153,8 @@ def _parse_json(text: str) -> dict:
         raise RequestError(ErrorCode.INVALID_JSON, f"line is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise RequestError(ErrorCode.INVALID_JSON, f"line is JSON but not an object (got {_json_type(obj)})")
+    if _SURROGATE_ESCAPE.search(text) is None:  # the text is valid UTF-8: only an escape can make a surrogate
+        return obj
     try:  # lone surrogates (\ud800) decode in Python but cannot be written as UTF-8 anywhere downstream
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
