@@ -6,7 +6,10 @@ import json
 
 import pytest
 
-from spark_llm.tokens import TokenContext, count_row, count_rows, get_tokenizer
+from conftest import chat_line, completion_line, validation_context
+from spark_llm.schemas import TOKENIZED_SCHEMA
+from spark_llm.tokens import TokenContext, count_batches, count_row, count_rows, get_tokenizer
+from spark_llm.validate import validate_batches
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +118,29 @@ def test_many_requests_counted_together_equal_each_counted_alone_and_a_bad_one_f
     assert together[0]["prompt_token_ids"] == [tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True),
         add_special_tokens=False)]
+
+
+def test_token_stage_counts_a_batch_and_passes_error_rows_through(tok, tiny_model):
+    import pandas as pd
+
+    lines = [chat_line("a", "hello world", max_tokens=4), {"custom_id": "bad", "method": "GET"},
+             completion_line("b", ["one", "two three"], max_tokens=60), chat_line("c", "data " * 200, max_tokens=8)]
+    raw = pd.DataFrame({"value": [json.dumps(x).encode() for x in lines], "file": "f.jsonl",
+                        "line_number": range(1, len(lines) + 1)})
+    [validated] = validate_batches(iter([raw]), validation_context())
+    ctx = TokenContext(tiny_model, max_model_len=128, context_overflow="error")
+    [counted] = count_batches(iter([validated]), {"tiny-llm": ctx})
+    assert list(counted.columns) == TOKENIZED_SCHEMA.fieldNames()
+    rows = counted.astype(object).where(counted.notna(), None).to_dict("records")
+    assert [r["error_code"] for r in rows] == [None, "invalid_method", None, "context_length_exceeded"]
+    assert rows[1]["prompt_token_ids"] is None and rows[1]["error_message"].startswith("method must be POST")
+    for r in (rows[0], rows[2], rows[3]):
+        alone = count_row(tok, r["kind"], r["prompt_json"], validated["sampling_json"][r["line_number"] - 1], ctx)
+        assert r["prompt_tokens"] == alone["prompt_tokens"]
+        assert r["prompt_token_ids"] == (alone["prompt_token_ids"] if alone["error_code"] is None else None)
+    assert len(rows[2]["prompt_token_ids"]) == 2 and rows[2]["est_tokens"] == rows[2]["prompt_tokens"] + 2 * 60
+    assert rows[3]["prompt_tokens"] > 128 and rows[3]["est_tokens"] is None
+    assert counted["max_tokens"].dtype == "Int64" and counted["prefix_key"].dtype == "Int64"
 
 
 def test_later_processes_load_the_tokenizer_class_autotokenizer_chose_without_torch(tiny_model, tmp_path):
