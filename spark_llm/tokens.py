@@ -97,9 +97,9 @@ def render_prompt(tokenizer: Any, kind: str, prompt: Any,
     tokenized. One request; :func:`count_rows` renders many with one tokenizer call."""
     endpoint = BY_KIND[kind]
     parts, cut = _cut(endpoint.prompt_texts(tokenizer, prompt), char_limit)
-    texts = [i for i, p in enumerate(parts) if isinstance(p, str)]
-    for i, ids in zip(texts, encode_texts(tokenizer, [parts[i] for i in texts], endpoint.ADD_SPECIAL_TOKENS)):
-        parts[i] = ids
+    [failure] = _encode_in_place(tokenizer, [(parts, endpoint.ADD_SPECIAL_TOKENS)])
+    if failure is not None:
+        raise failure
     return parts, cut
 
 
@@ -136,31 +136,25 @@ def count_rows(tokenizer: Any, rows: Sequence[tuple[str, str, str]], ctx: TokenC
     (the chat template), then all their texts encoded in one tokenizer call per kind of special tokens. A request
     whose template or tokenizer fails gets an ``invalid_request`` result of its own."""
     limit = ctx.max_model_len * _MAX_CHARS_PER_TOKEN
-    staged: list[Any] = []  # per row: [prompt, sampling, parts, cut], or the exception that stopped it
-    texts: dict[bool, list[tuple[int, int, str]]] = {True: [], False: []}  # (row, prompt, text) per special tokens
-    for r, (kind, prompt_json, sampling_json) in enumerate(rows):
+    staged: list[Any] = []  # per row: (prompt, sampling, parts, cut, special tokens), or what stopped it
+    for kind, prompt_json, sampling_json in rows:
         try:
             prompt, sampling, endpoint = json.loads(prompt_json), json.loads(sampling_json), BY_KIND[kind]
             parts, cut = _cut(endpoint.prompt_texts(tokenizer, prompt), limit)
+            staged.append((prompt, sampling, parts, cut, endpoint.ADD_SPECIAL_TOKENS))
         except Exception as exc:
             staged.append(exc)
-            continue
-        staged.append([prompt, sampling, parts, cut])
-        texts[endpoint.ADD_SPECIAL_TOKENS].extend((r, i, p) for i, p in enumerate(parts) if isinstance(p, str))
-    for special, items in texts.items():
-        for (r, i, _), ids in zip(items, _encode_each_failing_alone(tokenizer, [t for _, _, t in items], special)):
-            if isinstance(staged[r], Exception):
-                continue
-            if isinstance(ids, Exception):
-                staged[r] = ids
-            else:
-                staged[r][2][i] = ids
+    prompts = [([], False) if isinstance(st, Exception) else (st[2], st[4]) for st in staged]
+    for r, failure in enumerate(_encode_in_place(tokenizer, prompts)):  # the parts now hold token ids
+        if failure is not None:
+            staged[r] = failure
     out, vocab = [], len(tokenizer)
     for (kind, _, sampling_json), st in zip(rows, staged):
         try:
             if isinstance(st, Exception):
                 raise st
-            out.append(_decide(tokenizer, vocab, kind, *st, sampling_json, ctx))
+            prompt, sampling, ids, cut, _ = st
+            out.append(_decide(tokenizer, vocab, kind, prompt, sampling, ids, cut, sampling_json, ctx))
         except Exception as exc:
             out.append({"prompt_token_ids": None, "prompt_tokens": None, "notes": None, "est_tokens": None,
                         "sampling_json": sampling_json, "max_tokens": None,
@@ -169,18 +163,31 @@ def count_rows(tokenizer: Any, rows: Sequence[tuple[str, str, str]], ctx: TokenC
     return out
 
 
-def _encode_each_failing_alone(tokenizer: Any, texts: list[str], special: bool) -> list:
-    """:func:`encode_texts`; when the call fails, each text on its own (the failing ones as their exception)."""
-    try:
-        return encode_texts(tokenizer, texts, special)
-    except Exception:
-        out: list[Any] = []
-        for t in texts:
-            try:
-                out.extend(encode_texts(tokenizer, [t], special))
-            except Exception as exc:
-                out.append(exc)
-        return out
+def _encode_in_place(tokenizer: Any, prompts: Sequence[tuple[list, bool]]) -> list[Optional[Exception]]:
+    """Replace the texts in each list of ``prompts`` (a request's prompts, and whether its texts get the tokenizer's
+    special tokens) by their token ids, all texts of a kind in one :func:`encode_texts` call. Returns per list the
+    failure of one of its texts (None: all encoded); when a call fails, its texts are encoded one by one to find
+    the failing ones."""
+    failures: list[Optional[Exception]] = [None] * len(prompts)
+    for special in (True, False):
+        places = [(r, i) for r, (parts, flag) in enumerate(prompts) if flag == special
+                  for i, p in enumerate(parts) if isinstance(p, str)]
+        texts = [prompts[r][0][i] for r, i in places]
+        try:
+            encoded: list[Any] = encode_texts(tokenizer, texts, special)
+        except Exception:
+            encoded = []
+            for t in texts:
+                try:
+                    encoded.extend(encode_texts(tokenizer, [t], special))
+                except Exception as exc:
+                    encoded.append(exc)
+        for (r, i), ids in zip(places, encoded):
+            if isinstance(ids, Exception):
+                failures[r] = failures[r] or ids
+            else:
+                prompts[r][0][i] = ids
+    return failures
 
 
 def _decide(tokenizer: Any, vocab: int, kind: str, prompt: Any, sampling: dict, ids: list[list[int]],
