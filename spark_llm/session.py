@@ -147,18 +147,40 @@ def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
     quiet = "-Xlog:cds=off -Xlog:cds+dynamic=off"
     with contextlib.suppress(OSError):
         cache.mkdir(parents=True, exist_ok=True)
-        for dump in sorted(cache.glob(f"jvm-{key}.*.jsa")):  # earlier sessions' dumps, named for their process
-            owner = dump.name.split(".")[-2]
-            if not owner.isdigit() or process_alive(int(owner)):
-                continue
-            if not archive.exists() and dump.stat().st_size > 0:
-                os.replace(dump, archive)
-            else:
-                dump.unlink()
+        _tidy_class_archives(cache, in_use=archive)
         if archive.exists():
             return [f"-XX:SharedArchiveFile={archive}", quiet]
         return [f"-XX:ArchiveClassesAtExit={cache / f'jvm-{key}.{os.getpid()}.jsa'}", quiet]
     return []
+
+
+KEPT_CLASS_ARCHIVES = 2
+"""Class archives kept in the cache (some 200 MB each), the most recently used: one per Java, Spark and jar set,
+so a user with a second environment (another virtualenv, another checkout) does not rebuild it on every switch,
+while the cache does not grow by an archive for every environment ever used."""
+
+
+def _tidy_class_archives(cache: Path, in_use: Path) -> None:
+    """Finish what earlier sessions left: each finished dump (its JVM's process gone) becomes its key's archive,
+    unless that key has one already (two sessions that started before either finished), then is deleted; then only
+    the :data:`KEPT_CLASS_ARCHIVES` most recently used archives stay, ``in_use`` (this session's) counted as used
+    now. A JVM still mapping a deleted archive keeps its pages (the file is gone only from the directory)."""
+    for dump in sorted(cache.glob("jvm-*.*.jsa")):  # earlier sessions' dumps, named for their process
+        key, _, owner = dump.name[len("jvm-"):-len(".jsa")].partition(".")
+        if not owner.isdigit() or process_alive(int(owner)):
+            continue  # not a dump of ours, or its JVM may still be writing it
+        with contextlib.suppress(OSError):
+            published = cache / f"jvm-{key}.jsa"
+            if not published.exists() and dump.stat().st_size > 0:
+                os.replace(dump, published)
+            else:
+                dump.unlink()
+    with contextlib.suppress(OSError):
+        os.utime(in_use)
+    archives = [a for a in cache.glob("jvm-*.jsa") if "." not in a.name[len("jvm-"):-len(".jsa")]]
+    for stale in sorted(archives, key=lambda a: a.stat().st_mtime, reverse=True)[KEPT_CLASS_ARCHIVES:]:
+        with contextlib.suppress(OSError):
+            stale.unlink()
 
 
 def _recorded_delta_jars() -> Optional[str]:

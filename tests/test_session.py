@@ -28,6 +28,28 @@ def test_the_first_session_dumps_the_jvm_classes_and_the_next_publishes_and_maps
     assert session._class_data_sharing({"spark.jars": "file:///j/other.jar"})[0].startswith("-XX:ArchiveClassesAtExit=")
 
 
+def test_the_class_archive_cache_keeps_the_most_recently_used_archives_and_no_dead_dumps(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "spark_llm"
+    cache.mkdir()
+    for age, key in enumerate(["aaaa", "bbbb", "cccc"]):  # three environments' archives, "aaaa" used last
+        (cache / f"jvm-{key}.jsa").write_bytes(b"archive")
+        os.utime(cache / f"jvm-{key}.jsa", (1e9 - age * 1000, 1e9 - age * 1000))
+        (cache / f"jvm-{key}.999999999.jsa").write_bytes(b"a later dump")  # its JVM gone, the key already archived
+    (cache / "jvm-dddd.999999998.jsa").write_bytes(b"dump")  # a finished dump of a fourth, never published
+    (cache / f"jvm-eeee.{os.getpid()}.jsa").write_bytes(b"")  # a live JVM's dump in progress
+    mapped = session._class_data_sharing({"spark.jars": "file:///j/delta.jar"})  # a fifth environment: a new dump
+    assert mapped[0].startswith("-XX:ArchiveClassesAtExit=")
+    left = sorted(p.name for p in cache.iterdir())
+    assert left == ["jvm-aaaa.jsa", "jvm-dddd.jsa", f"jvm-eeee.{os.getpid()}.jsa"], left
+    assert session.KEPT_CLASS_ARCHIVES == 2
+    # mapping an archive makes it the most recently used: the oldest one, mapped now, stays over "aaaa"
+    (cache / "jvm-bbbb.jsa").write_bytes(b"archive")
+    os.utime(cache / "jvm-bbbb.jsa", (1, 1))
+    session._tidy_class_archives(cache, in_use=cache / "jvm-bbbb.jsa")
+    assert sorted(p.name for p in cache.iterdir()) == ["jvm-bbbb.jsa", "jvm-dddd.jsa", f"jvm-eeee.{os.getpid()}.jsa"]
+
+
 def test_the_recorded_delta_jars_are_used_only_while_every_one_is_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     jar = tmp_path / "delta-spark.jar"
