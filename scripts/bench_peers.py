@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per engine (OMP_NUM_THREADS); vLLM serves with 1 when it is unset, as (a) and (b) run")
     p.add_argument("--skip", choices=["raw", "run_batch", "spark_llm"], action="append", default=[])
+    p.add_argument("--keep", action="store_true", help="keep the work directory (the input, outputs and logs)")
     args = p.parse_args(argv)
     from spark_llm.engine import apply_worker_env
     from spark_llm.session import LOCAL_ENV
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
         print(f"busy_fraction={batch['partition_plan'].get('busy_fraction')}")
 
     print(f"requests={args.requests} mix={args.mix} max_tokens={args.max_tokens} model={name} "
-          f"cores={os.cpu_count()} work={work}")
+          f"cores={os.cpu_count()}" + (f" work={work}" if args.keep else ""))
     print(f"{'run':<44}{'wall s':>9}{'tokens/s':>10}")
     labels = {"raw": "(a) raw LLM.generate, 1 engine (no I/O)", "run_batch": "(b) vllm run_batch, whole process",
               "spark_llm": f"(c) spark-llm run, whole process, {args.slots} engine(s)"}
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
         print(f"vs_raw={results['spark_llm'][0] / results['raw'][0]:.3f}")
     if "spark_llm" in results and "run_batch" in results:
         print(f"vs_run_batch={results['run_batch'][0] / results['spark_llm'][0]:.3f}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
