@@ -9,19 +9,20 @@ from typing import Any, Callable, Optional
 
 class SparkJobInBackground:
     """A driver thread running Spark jobs in the run's job group (pyspark's ``InheritableThread``, which carries
-    the job group, or a Connect session's tags, into the thread); :meth:`wait` joins it and raises what it
-    raised, as :meth:`failure` puts it."""
+    the job group, or a Connect session's tags, into the thread); :meth:`wait` joins it and returns what ``body``
+    returned, or raises what it raised, as :meth:`failure` puts it."""
 
-    def __init__(self, spark: Any, name: str, body: Callable[[], None]):
+    def __init__(self, spark: Any, name: str, body: Callable[[], Any]):
         from pyspark import InheritableThread
 
         self.error: Optional[BaseException] = None
+        self.value: Any = None
         self.thread = InheritableThread(target=self._run, args=(body,), name=name, daemon=True, session=spark)
         self.thread.start()
 
-    def _run(self, body: Callable[[], None]) -> None:
+    def _run(self, body: Callable[[], Any]) -> None:
         try:
-            body()
+            self.value = body()
         except BaseException as exc:
             self.error = exc
 
@@ -29,7 +30,8 @@ class SparkJobInBackground:
         """The error :meth:`wait` raises for ``exc`` (subclasses make executor-side failures readable)."""
         return exc
 
-    def wait(self) -> None:
+    def wait(self) -> Any:
         self.thread.join()
         if self.error is not None:
             raise self.failure(self.error) from None
+        return self.value

@@ -23,6 +23,13 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def preload() -> None:
+    """Import the plotting modules (a second of a short batch's report), e.g. from a thread while the report's
+    figures are still being computed. Nothing is drawn and no backend is selected."""
+    import matplotlib.figure  # noqa: F401
+    import matplotlib.ticker  # noqa: F401
+
+
 def _figure() -> tuple[Any, Any]:
     """A figure of our own (``matplotlib.figure.Figure``): no pyplot state and no backend switch in the user's
     process."""

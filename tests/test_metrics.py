@@ -35,3 +35,22 @@ def test_a_retried_partition_counts_once():
     first, retry = rec("a", 0, 0.0, 5.0, 4.0), rec("a", 0, 6.0, 9.0, 2.0)
     assert latest_records([retry, first]) == [retry]
     assert engine_usage([])["busy_fraction"] is None
+
+
+def test_the_report_tallies_both_tables_at_once_and_lists_the_errors_without_a_custom_id(spark):
+    from spark_llm.report import Tables
+
+    outputs = spark.createDataFrame(
+        [(3, 2, "/v1/chat/completions"), (40, 5, "/v1/chat/completions"), (7, 0, "/v1/embeddings")],
+        "prompt_tokens int, completion_tokens int, endpoint string")
+    errors = spark.createDataFrame(
+        [("invalid_json", None, "line is not JSON", "in.jsonl", 9), ("invalid_json", None, "not JSON", "in.jsonl", 4),
+         ("context_length_exceeded", "r-7", "prompt too long", "in.jsonl", 7)],
+        "code string, custom_id string, message string, file string, line_number long")
+    tables = Tables.read(outputs, errors, buckets=4)
+    assert (tables.tally.completed, tables.tally.failed) == (3, 3)
+    assert (tables.tally.input_tokens, tables.tally.output_tokens) == (50, 7)
+    assert tables.endpoint == "/v1/chat/completions,/v1/embeddings"
+    assert tables.errors_by_code == {"invalid_json": 2, "context_length_exceeded": 1}
+    assert tables.unattributed.total == 2 and [e.line for e in tables.unattributed.data] == [4, 9]
+    assert tables.histogram == [(0, 2), (40, 1)]  # width 10 over 40 tokens: 3 and 7 in the first bucket
