@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from .errors import EngineStartError
 
@@ -150,9 +150,10 @@ class Slot:
         return cls("gpu-" + ",".join(devices), devices)
 
     @classmethod
-    def cpu(cls, n: int) -> "Slot":
-        """CPU slot ``n`` of this executor (executors sharing a host never share a CPU engine)."""
-        return cls(f"cpu-{executor_pid()}-{n}")
+    def cpu(cls, n: int, executor: Optional[int] = None) -> "Slot":
+        """CPU slot ``n`` of this executor, or of the executor JVM ``executor`` (executors sharing a host never
+        share a CPU engine)."""
+        return cls(f"cpu-{executor or executor_pid()}-{n}")
 
     def path(self, suffix: str) -> Path:
         return engine_dir() / f"{self.name}{suffix}"
@@ -330,11 +331,20 @@ def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSetting
             client.close()
 
 
-def prestart(spec: Any, process: ProcessSettings, slot: Slot) -> bool:
+@dataclass(frozen=True)
+class Executor:
+    """The executor an engine serves, for a process that is not one of its Python workers (a local session's
+    driver): its JVM's pid (the engine ends with it) and the environment its Python workers get."""
+
+    pid: int
+    environ: Mapping[str, str]
+
+
+def prestart(spec: Any, process: ProcessSettings, slot: Slot, executor: Optional[Executor] = None) -> bool:
     """Start ``slot``'s engine for ``spec`` loading and return at once (the warm-up of local masters: engines load
     while the driver prepares the batch); the first task that needs it waits for it in :func:`engine_for`. Nothing
     is started when the engine runs or is starting already, or when a task holds the slot. Returns whether one was
-    started."""
+    started. ``executor``: the executor's, when this process is not one of its Python workers."""
     fd = _try_lock(slot.path(".slot.lock"))
     if fd is None:
         return False
@@ -344,7 +354,7 @@ def prestart(spec: Any, process: ProcessSettings, slot: Slot) -> bool:
         if any(x is not None and x.get("key") == spec.key for x in (info, starting)):
             return False
         stop_engines_on(slot)
-        _spawn_server(slot, spec, process)
+        _spawn_server(slot, spec, process, executor)
         return True
     finally:
         os.close(fd)
@@ -393,9 +403,10 @@ def _start_server(slot: Slot, spec: Any, process: ProcessSettings) -> dict:
     return _await_server(slot, proc.pid, proc)
 
 
-def _spawn_server(slot: Slot, spec: Any, process: ProcessSettings) -> subprocess.Popen:
+def _spawn_server(slot: Slot, spec: Any, process: ProcessSettings,
+                  executor: Optional[Executor] = None) -> subprocess.Popen:
     """Start the slot's engine server, recorded as starting (``<slot>.starting``: its pid, key and devices) until
-    it is ready (``<slot>.json``)."""
+    it is ready (``<slot>.json``); it serves this process's executor, or ``executor``."""
     from .engine import apply_worker_env
 
     for suffix in (".json", ".error", ".sock", ".starting"):
@@ -403,14 +414,15 @@ def _spawn_server(slot: Slot, spec: Any, process: ProcessSettings) -> subprocess
             slot.path(suffix).unlink()
     spec_file = slot.path(".spec")
     spec_file.write_text(json.dumps(spec.settings, default=str))
-    env = dict(os.environ)
+    env = dict(executor.environ if executor is not None else os.environ)
     apply_worker_env(env)
     env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_LOGGING_LEVEL=process.engine_log_level)
     if slot.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.devices)
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     cmd = [sys.executable, "-m", "spark_llm.engine_service", "--slot", slot.name, "--devices", ",".join(slot.devices),
-           "--spec-file", str(spec_file), "--key", spec.key, "--watch-pid", str(executor_pid()),
+           "--spec-file", str(spec_file), "--key", spec.key,
+           "--watch-pid", str(executor.pid if executor is not None else executor_pid()),
            "--idle-timeout", str(process.engine_idle_timeout_seconds or 0)]
     with open(slot.path(".log"), "ab") as logf:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,

@@ -218,6 +218,23 @@ def spark_conf(spark: SparkSession) -> dict[str, str]:
     return dict(spark.sparkContext.getConf().getAll())
 
 
+def local_worker_env(spark_conf: Mapping[str, str]) -> dict[str, str]:
+    """The environment a local session's Python workers get, for a process they would otherwise start (the
+    engines, started from the driver): this process's environment (which the session's JVM inherited), the
+    session's ``spark.executorEnv.*`` settings, and ``OMP_NUM_THREADS``, which PySpark sets in every Python worker
+    to ``spark.task.cpus`` (1 by default) unless ``spark.executorEnv.OMP_NUM_THREADS`` says otherwise."""
+    env = dict(os.environ)
+    prefix = "spark.executorEnv."
+    env.update({k[len(prefix):]: v for k, v in spark_conf.items() if k.startswith(prefix)})
+    env["OMP_NUM_THREADS"] = spark_conf.get(prefix + "OMP_NUM_THREADS") or spark_conf.get("spark.task.cpus") or "1"
+    return env
+
+
+def jvm_pid(spark: SparkSession) -> int:
+    """The pid of the session's JVM (a classic session's; in a local session, also its only executor's)."""
+    return int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+
+
 def is_local_master(spark_conf: Mapping[str, str]) -> bool:
     """The session runs in one process (``local``, ``local[N]``, ``local[N,F]``): its executor is on this host."""
     return re.fullmatch(r"local(\[[^\]]*\])?", spark_conf.get("spark.master", "").strip()) is not None

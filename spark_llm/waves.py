@@ -31,14 +31,15 @@ from .background import SparkJobInBackground
 from .context import RunContext
 from .config import config_view
 from .engine import EngineSpec, has_gpus
-from .engine_service import ProcessSettings
+from .engine_service import Executor, ProcessSettings, Slot, prestart
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, prestart_partition, warm_partition
 from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_partitions, task_slots
 from .prepare import Outcomes
 from .schemas import RESULT_SCHEMA
-from .session import FIRST_POOL, WAVES_POOL, is_local_master, scheduler_pool, spark_conf
+from .session import (FIRST_POOL, WAVES_POOL, is_connect, is_local_master, jvm_pid, local_worker_env, scheduler_pool,
+                      spark_conf)
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,10 @@ class EngineWarmup(_EngineJob):
     - GPU clusters: a Spark job of one task per engine slot, in the inference stage's resource profile, run from a
       driver thread; each task holds its GPUs until their engine is ready, and inference tasks then find it.
       :meth:`wait` blocks until the engines are up; one that could not start stops the batch there.
-    - Local masters (one executor, on this host): a job of one quick task per CPU slot that starts the slot's engine
-      loading and returns (:func:`~spark_llm.infer.prestart_partition`), so the prepare stage keeps every task
-      slot; the first inference task of a slot waits for its engine.
+    - Local masters (one executor, on this host, the driver's own JVM): this process starts each CPU slot's engine
+      loading (:func:`prestart_here`), no Spark job; over Spark Connect (the executor is the server's) a job of one
+      quick task per CPU slot does it (:func:`~spark_llm.infer.prestart_partition`). Either way the prepare stage
+      keeps every task slot, and the first inference task of a slot waits for its engine.
     - Other clusters without GPUs: nothing (which executor's slots the inference tasks will take is not known).
     """
 
@@ -104,6 +106,9 @@ class EngineWarmup(_EngineJob):
         conf = spark_conf(run.spark)
         if has_gpus(conf):
             return cls(run, blocking=True)
+        if is_local_master(conf) and not is_connect(run.spark):
+            prestart_here(run, conf)
+            return None
         return cls(run, blocking=False) if is_local_master(conf) else None
 
     def _load(self) -> None:
@@ -137,6 +142,22 @@ class EngineWarmup(_EngineJob):
         if self.thread.is_alive():
             self.run.cancel_jobs()  # the run's only job still running
             self.thread.join()
+
+
+def prestart_here(run: RunContext, conf: dict[str, str]) -> None:
+    """The engines of a local session's CPU slots start loading, from this process (their executor is this
+    session's JVM): seconds sooner than from a Spark job's tasks, whose Python workers would first start and import
+    what they run, on the cores the engines load on."""
+    ictx = _infer_context(run, Numbering())
+    executor = Executor(jvm_pid(run.spark), local_worker_env(conf))
+    slots = [Slot.cpu(n, executor.pid) for n in range(ictx.cpu_slots or 1)]
+    try:
+        for slot in slots:
+            prestart(ictx.engine, ictx.process, slot, executor)
+    except Exception as exc:  # only a head start: the inference tasks start their engines themselves
+        log.warning("batch %s: could not start the engines loading early (%s)", run.batch_id, exc)
+        return
+    log.info("batch %s: engines loading on %s", run.batch_id, ", ".join(s.name for s in slots))
 
 
 def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
@@ -276,19 +297,18 @@ class _CommitJob(SparkJobInBackground):
     before (``after``; one that failed stops this one), so that committing never holds up the next waves."""
 
     def __init__(self, run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]):
-        self.records: list[dict] = []
         super().__init__(run.spark, f"spark_llm-commit-{job.wave.number}",
                          lambda: self._run_after(run, plan, job, after))
 
-    def _run_after(self, run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]) -> None:
+    @staticmethod
+    def _run_after(run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]) -> list[dict]:
         if after is not None:
             after.wait()
-        self.records = _commit(run, plan, job)
+        return _commit(run, plan, job)
 
     def result(self) -> list[dict]:
         """Wait for the commit; its partitions' records."""
-        self.wait()
-        return self.records
+        return self.wait()
 
 
 def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[dict]:

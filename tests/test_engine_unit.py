@@ -44,6 +44,41 @@ def test_gpu_slots_are_named_by_their_devices(tmp_path, monkeypatch):
         assert a.name.startswith("cpu-") and a.name.endswith("-0") and b.name.endswith("-1")
 
 
+def test_a_local_driver_starts_its_executor_s_engines_with_the_environment_its_python_workers_would_have(
+        tmp_path, monkeypatch):
+    from spark_llm import engine_service
+    from spark_llm.engine_service import ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, prestart
+    from spark_llm.session import local_worker_env
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # the driver's own; PySpark gives its workers spark.task.cpus
+    env = local_worker_env({"spark.executorEnv.HF_HOME": "/models", "spark.task.cpus": "2"})
+    assert env["HF_HOME"] == "/models" and env["OMP_NUM_THREADS"] == "2"
+    assert local_worker_env({})["OMP_NUM_THREADS"] == "1"
+    assert local_worker_env({"spark.executorEnv.OMP_NUM_THREADS": "4", "spark.task.cpus": "2"})["OMP_NUM_THREADS"] == "4"
+
+    spawned = []
+
+    class Popen:  # the engine server's process, not started
+        def __init__(self, cmd, env, **kwargs):
+            spawned.append((cmd, env))
+            self.pid = 4242
+
+    monkeypatch.setattr(engine_service.subprocess, "Popen", Popen)
+    monkeypatch.setattr(engine_service, "process_alive", lambda pid: pid == 4242)
+    spec = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64))
+    slot = Slot.cpu(0, executor=31337)
+    assert slot.name == "cpu-31337-0"
+    process = ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING")
+    assert prestart(spec, process, slot, Executor(31337, env))
+    [(cmd, server_env)] = spawned
+    assert cmd[cmd.index("--watch-pid") + 1] == "31337"  # it ends with the executor's JVM, not with this process
+    assert server_env["OMP_NUM_THREADS"] == "2" and server_env["HF_HOME"] == "/models"
+    assert json.loads(slot.path(".starting").read_text())["key"] == spec.key
+    # the slot's engine is starting: the tasks (and a second warm-up) wait for it instead of starting another
+    assert not prestart(spec, process, slot, Executor(31337, env)) and len(spawned) == 1
+
+
 def test_engine_spec_maps_config_to_vllm_arguments():
     cfg = BatchConfig(model="/m", max_num_seqs=8, max_model_len=512, kv_cache_memory_bytes=1 << 28,
                       enforce_eager=True, engine_kwargs={"swap_space": 1})
