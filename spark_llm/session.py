@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Iterator, Mapping, Optional
@@ -154,6 +155,9 @@ def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
     return []
 
 
+#: Seconds a finished session's dump must have been left untouched before it is published: its JVM writes it when
+#: it exits, some seconds after the driver process it is named for (about 10 s for 200 MB here).
+DUMP_SETTLE_SECONDS = 30
 KEPT_CLASS_ARCHIVES = 2
 """Class archives kept in the cache (some 200 MB each), the most recently used: one per Java, Spark and jar set,
 so a user with a second environment (another virtualenv, another checkout) does not rebuild it on every switch,
@@ -165,11 +169,13 @@ def _tidy_class_archives(cache: Path, in_use: Path) -> None:
     unless that key has one already (two sessions that started before either finished), then is deleted; then only
     the :data:`KEPT_CLASS_ARCHIVES` most recently used archives stay, ``in_use`` (this session's) counted as used
     now. A JVM still mapping a deleted archive keeps its pages (the file is gone only from the directory)."""
-    for dump in sorted(cache.glob("jvm-*.*.jsa")):  # earlier sessions' dumps, named for their process
+    for dump in sorted(cache.glob("jvm-*.*.jsa")):  # earlier sessions' dumps, named for their driver's process
         key, _, owner = dump.name[len("jvm-"):-len(".jsa")].partition(".")
         if not owner.isdigit() or process_alive(int(owner)):
-            continue  # not a dump of ours, or its JVM may still be writing it
+            continue  # not a dump of ours, or its session still runs
         with contextlib.suppress(OSError):
+            if time.time() - dump.stat().st_mtime < DUMP_SETTLE_SECONDS:
+                continue  # its JVM, which outlives the driver by the seconds the dump takes, may still write it
             published = cache / f"jvm-{key}.jsa"
             if not published.exists() and dump.stat().st_size > 0:
                 os.replace(dump, published)

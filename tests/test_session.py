@@ -4,6 +4,7 @@ class-data-sharing archive; and how the local session schedules the run's jobs."
 from __future__ import annotations
 
 import os
+import time
 
 from spark_llm import session
 
@@ -17,8 +18,12 @@ def test_the_first_session_dumps_the_jvm_classes_and_the_next_publishes_and_maps
     open(dump, "wb").write(b"archive")
     # a dump whose JVM may still be writing it (its process is alive: this one) is left alone
     assert session._class_data_sharing(settings)[0].startswith("-XX:ArchiveClassesAtExit=")
-    finished = dump.replace(f".{os.getpid()}.jsa", ".999999999.jsa")  # its process is gone
+    finished = dump.replace(f".{os.getpid()}.jsa", ".999999999.jsa")  # its session's process is gone ...
     os.replace(dump, finished)
+    # ... but its JVM may still be writing it (it outlives the driver): left alone until it has settled
+    assert session._class_data_sharing(settings)[0].startswith("-XX:ArchiveClassesAtExit=")
+    settled = time.time() - session.DUMP_SETTLE_SECONDS - 1
+    os.utime(finished, (settled, settled))
     mapped = session._class_data_sharing(settings)
     assert mapped[0].startswith("-XX:SharedArchiveFile=") and os.path.exists(mapped[0].split("=", 1)[1])
     assert not os.path.exists(finished)
@@ -37,6 +42,8 @@ def test_the_class_archive_cache_keeps_the_most_recently_used_archives_and_no_de
         os.utime(cache / f"jvm-{key}.jsa", (1e9 - age * 1000, 1e9 - age * 1000))
         (cache / f"jvm-{key}.999999999.jsa").write_bytes(b"a later dump")  # its JVM gone, the key already archived
     (cache / "jvm-dddd.999999998.jsa").write_bytes(b"dump")  # a finished dump of a fourth, never published
+    for dump in cache.glob("jvm-*.99999999?.jsa"):
+        os.utime(dump, (1e9 + 500, 1e9 + 500))  # written long ago, after the archives
     (cache / f"jvm-eeee.{os.getpid()}.jsa").write_bytes(b"")  # a live JVM's dump in progress
     mapped = session._class_data_sharing({"spark.jars": "file:///j/delta.jar"})  # a fifth environment: a new dump
     assert mapped[0].startswith("-XX:ArchiveClassesAtExit=")
