@@ -158,17 +158,18 @@ def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
 #: Seconds a finished session's dump must have been left untouched before it is published: its JVM writes it when
 #: it exits, some seconds after the driver process it is named for (about 10 s for 200 MB here).
 DUMP_SETTLE_SECONDS = 30
+#: Class archives kept in the cache (some 200 MB each), the most recently used: one per Java, Spark and jar set, so
+#: a user with a second environment (another virtualenv, another checkout) does not rebuild it on every switch,
+#: while the cache does not grow by an archive for every environment ever used.
 KEPT_CLASS_ARCHIVES = 2
-"""Class archives kept in the cache (some 200 MB each), the most recently used: one per Java, Spark and jar set,
-so a user with a second environment (another virtualenv, another checkout) does not rebuild it on every switch,
-while the cache does not grow by an archive for every environment ever used."""
 
 
 def _tidy_class_archives(cache: Path, in_use: Path) -> None:
-    """Finish what earlier sessions left: each finished dump (its JVM's process gone) becomes its key's archive,
-    unless that key has one already (two sessions that started before either finished), then is deleted; then only
-    the :data:`KEPT_CLASS_ARCHIVES` most recently used archives stay, ``in_use`` (this session's) counted as used
-    now. A JVM still mapping a deleted archive keeps its pages (the file is gone only from the directory)."""
+    """Finish what earlier sessions left: each finished dump (its session's process gone, the file untouched for
+    :data:`DUMP_SETTLE_SECONDS`) becomes its key's archive, unless that key has one already (two sessions that
+    started before either finished), then is deleted; then only the :data:`KEPT_CLASS_ARCHIVES` most recently used
+    archives stay, ``in_use`` (this session's) counted as used now. A JVM still mapping a deleted archive keeps its
+    pages (the file is gone only from the directory)."""
     for dump in sorted(cache.glob("jvm-*.*.jsa")):  # earlier sessions' dumps, named for their driver's process
         key, _, owner = dump.name[len("jvm-"):-len(".jsa")].partition(".")
         if not owner.isdigit() or process_alive(int(owner)):
