@@ -106,8 +106,7 @@ class EngineWarmup(_EngineJob):
         conf = spark_conf(run.spark)
         if has_gpus(conf):
             return cls(run, blocking=True)
-        if is_local_master(conf) and not is_connect(run.spark):
-            prestart_here(run, conf)
+        if is_local_master(conf) and not is_connect(run.spark) and prestart_here(run, conf):
             return None
         return cls(run, blocking=False) if is_local_master(conf) else None
 
@@ -144,20 +143,22 @@ class EngineWarmup(_EngineJob):
             self.thread.join()
 
 
-def prestart_here(run: RunContext, conf: dict[str, str]) -> None:
+def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
     """The engines of a local session's CPU slots start loading, from this process (their executor is this
     session's JVM): seconds sooner than from a Spark job's tasks, whose Python workers would first start and import
-    what they run, on the cores the engines load on."""
-    ictx = _infer_context(run, Numbering())
-    executor = Executor(jvm_pid(run.spark), local_worker_env(conf))
-    slots = [Slot.cpu(n, executor.pid) for n in range(ictx.cpu_slots or 1)]
+    what they run, on the cores the engines load on. False when this process cannot (a cluster that does not let
+    the driver call into its JVM, say): the warm-up job does it then."""
     try:
+        ictx = _infer_context(run, Numbering())
+        executor = Executor(jvm_pid(run.spark), local_worker_env(conf))
+        slots = [Slot.cpu(n, executor.pid) for n in range(ictx.cpu_slots or 1)]
         for slot in slots:
             prestart(ictx.engine, ictx.process, slot, executor)
-    except Exception as exc:  # only a head start: the inference tasks start their engines themselves
-        log.warning("batch %s: could not start the engines loading early (%s)", run.batch_id, exc)
-        return
+    except Exception as exc:  # only a head start
+        log.info("batch %s: the engines start from a warm-up job (%s)", run.batch_id, exc)
+        return False
     log.info("batch %s: engines loading on %s", run.batch_id, ", ".join(s.name for s in slots))
+    return True
 
 
 def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:

@@ -254,3 +254,24 @@ def test_when_a_step_fails_the_requests_in_flight_are_answered_by_the_isolating_
     got = dict(stream_through(fake, [request(t) for t in range(10, 16)]))
     assert sorted(got) == list(range(6)) and all(got[i].outputs[0].text == f"t{10 + i}" for i in got)
     assert fake.aborted and not fake.running  # nothing of the call is left in the engine
+
+
+def test_the_local_warm_up_starts_each_slot_s_engine_from_the_driver_or_leaves_it_to_the_warm_up_job(monkeypatch):
+    from spark_llm import waves
+    from spark_llm.engine_service import Executor, Slot
+
+    run = SimpleNamespace(batch_id="b", spark=None)
+    monkeypatch.setattr(waves, "_infer_context", lambda run, numbering: SimpleNamespace(
+        cpu_slots=2, engine="the-spec", process="the-process"))
+    started = []
+    monkeypatch.setattr(waves, "prestart", lambda spec, process, slot, executor: started.append((slot, executor)))
+    monkeypatch.setattr(waves, "jvm_pid", lambda spark: 31337)
+    assert waves.prestart_here(run, {"spark.executorEnv.OMP_NUM_THREADS": "3"})
+    assert [slot for slot, _ in started] == [Slot("cpu-31337-0"), Slot("cpu-31337-1")]
+    assert all(isinstance(e, Executor) and e.pid == 31337 and e.environ["OMP_NUM_THREADS"] == "3" for _, e in started)
+
+    def no_jvm(spark):  # a driver not allowed to call into its JVM (py4j security on a shared cluster, say)
+        raise RuntimeError("py4j: class java.lang.ProcessHandle is not allowed")
+    monkeypatch.setattr(waves, "jvm_pid", no_jvm)
+    started.clear()
+    assert not waves.prestart_here(run, {}) and not started  # the warm-up job starts them instead
