@@ -144,14 +144,14 @@ def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
                                settings.get("spark.jars", ""), settings.get("spark.jars.packages", ""),
                                settings.get("spark.driver.extraClassPath", ""))).encode()).hexdigest()[:16]
     cache = _cache()
-    archive = cache / f"jvm-{key}.jsa"
+    archive = _class_archive(cache, key)
     quiet = "-Xlog:cds=off -Xlog:cds+dynamic=off"
     with contextlib.suppress(OSError):
         cache.mkdir(parents=True, exist_ok=True)
         _tidy_class_archives(cache, in_use=archive)
         if archive.exists():
             return [f"-XX:SharedArchiveFile={archive}", quiet]
-        return [f"-XX:ArchiveClassesAtExit={cache / f'jvm-{key}.{os.getpid()}.jsa'}", quiet]
+        return [f"-XX:ArchiveClassesAtExit={_class_archive(cache, key, os.getpid())}", quiet]
     return []
 
 
@@ -164,6 +164,18 @@ DUMP_SETTLE_SECONDS = 30
 KEPT_CLASS_ARCHIVES = 2
 
 
+def _class_archive(cache: Path, key: str, owner: Optional[int] = None) -> Path:
+    """``jvm-<key>.jsa``, the published archive of ``key``, or ``jvm-<key>.<owner>.jsa``, the dump of the session
+    whose driver process is ``owner``."""
+    return cache / (f"jvm-{key}.jsa" if owner is None else f"jvm-{key}.{owner}.jsa")
+
+
+def _class_archive_name(path: Path) -> tuple[str, str]:
+    """(key, owner) of a :func:`_class_archive` path; owner "" for a published archive."""
+    key, _, owner = path.name[len("jvm-"):-len(".jsa")].partition(".")
+    return key, owner
+
+
 def _tidy_class_archives(cache: Path, in_use: Path) -> None:
     """Finish what earlier sessions left: each finished dump (its session's process gone, the file untouched for
     :data:`DUMP_SETTLE_SECONDS`) becomes its key's archive, unless that key has one already (two sessions that
@@ -171,20 +183,20 @@ def _tidy_class_archives(cache: Path, in_use: Path) -> None:
     archives stay, ``in_use`` (this session's) counted as used now. A JVM still mapping a deleted archive keeps its
     pages (the file is gone only from the directory)."""
     for dump in sorted(cache.glob("jvm-*.*.jsa")):  # earlier sessions' dumps, named for their driver's process
-        key, _, owner = dump.name[len("jvm-"):-len(".jsa")].partition(".")
+        key, owner = _class_archive_name(dump)
         if not owner.isdigit() or process_alive(int(owner)):
             continue  # not a dump of ours, or its session still runs
         with contextlib.suppress(OSError):
             if time.time() - dump.stat().st_mtime < DUMP_SETTLE_SECONDS:
                 continue  # its JVM, which outlives the driver by the seconds the dump takes, may still write it
-            published = cache / f"jvm-{key}.jsa"
+            published = _class_archive(cache, key)
             if not published.exists() and dump.stat().st_size > 0:
                 os.replace(dump, published)
             else:
                 dump.unlink()
     with contextlib.suppress(OSError):
         os.utime(in_use)
-    archives = [a for a in cache.glob("jvm-*.jsa") if "." not in a.name[len("jvm-"):-len(".jsa")]]
+    archives = [a for a in cache.glob("jvm-*.jsa") if not _class_archive_name(a)[1]]
     for stale in sorted(archives, key=lambda a: a.stat().st_mtime, reverse=True)[KEPT_CLASS_ARCHIVES:]:
         with contextlib.suppress(OSError):
             stale.unlink()
