@@ -3,9 +3,10 @@
 
 A drill for GPU scheduling on a machine without GPUs (the tests run it; it also shows the settings a real cluster
 needs): one executor with ``--gpus`` fake GPU addresses (a discovery script that lists them), no
-``spark.task.resource.gpu.amount`` (spark_llm asks for GPUs on the inference stage only), vLLM on the CPU. Prints
-one JSON object: the batch's counts, the per-partition metrics (GPU addresses held, engine slot and process), the
-engine processes' own records (``events.jsonl``) and how many tasks a CPU-only stage ran at once.
+``spark.task.resource.gpu.amount`` (spark_llm asks for GPUs on the inference stage only: half a GPU per task, two
+tasks feeding each engine), vLLM on the CPU. Prints one JSON object: the batch's counts, the per-partition metrics
+(GPU addresses held, engine slot and process), the engine processes' own records (``events.jsonl``), how many tasks
+a CPU-only stage ran at once and how many inference tasks held each GPU at once.
 
     python scripts/fake_gpu_cluster.py --model .cache/tiny-llm --requests 240 --gpus 2 --out /tmp/fake-gpu
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
             input=str(out / "in.jsonl"), output_dir=str(out / "results"), overwrite=True, batch_id="fake-gpu",
             model=args.model, max_model_len=512, max_num_seqs=32, dtype="bfloat16", enforce_eager=True,
             kv_cache_memory_bytes=64 << 20, tensor_parallel_size=args.tensor_parallel_size, num_task_slots=slots,
-            target_tokens_per_partition=target, wave_partitions=2 * slots))
+            target_tokens_per_partition=target))
         metrics = [r.asDict() for r in spark.read.format("delta").load(result.batch.metadata["metrics_table"])
                    .select("partition", "wave", "rows", "gpus", "engine_slot", "engine_pid", "engine_load_seconds",
                            "engine_deaths", "started_at", "finished_at").collect()]
@@ -141,6 +142,10 @@ def main(argv=None) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "inference_tasks_at_once": concurrency([(m["started_at"].timestamp(), m["finished_at"].timestamp())
                                                 for m in metrics]),
+        "tasks_at_once_per_gpus": {g: concurrency([(m["started_at"].timestamp(), m["finished_at"].timestamp())
+                                                   for m in metrics if m["gpus"] == g])
+                                   for g in sorted({m["gpus"] for m in metrics})},
+        "tasks_per_engine": result.batch.partition_plan["task_slots"] // result.batch.partition_plan["engines"],
         "metrics": [{k: v for k, v in m.items() if k not in ("started_at", "finished_at")} for m in metrics],
         "events": read_events(engines),
     }, default=str))

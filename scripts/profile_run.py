@@ -12,6 +12,7 @@ Runs one batch on a local session with Spark's event log on and the driver under
 
     python scripts/profile_run.py --requests 20000 --slots 2            # tiny model built on the fly
     python scripts/profile_run.py --requests 2000 --slots 1 --keep      # keep the work dir (event log, .prof)
+    python scripts/profile_run.py --master 'local[4]' --slots 2         # two engines, each fed by two tasks
 """
 
 from __future__ import annotations
@@ -60,22 +61,24 @@ def spark_jobs(event_log: Path) -> list[dict]:
 
 
 def idle_lines(metrics: list[dict]) -> list[str]:
-    """Per engine slot: its partitions, engine seconds, and where its idle time in the inference stage went (before
-    its first partition, between partitions, after its last one while another slot still ran)."""
-    start = min(m["started_at"] for m in metrics)
-    end = max(m["finished_at"] for m in metrics)
-    by_slot: dict[str, list[dict]] = collections.defaultdict(list)
+    """Per engine: its partitions, busy seconds (the union of its partitions' spans in it: two tasks feed it at
+    once), and where its idle time in the inference stage went (before its first partition, between partitions,
+    after its last one while another engine still ran)."""
+    from spark_llm.metrics import merged_spans
+
+    start = min(m["started_at"] for m in metrics).timestamp()
+    end = max(m["finished_at"] for m in metrics).timestamp()
+    by_engine: dict[str, list[dict]] = collections.defaultdict(list)
     for m in metrics:
-        by_slot[str(m.get("engine_slot"))].append(m)
-    lines = [f"inference stage {(end - start).total_seconds():.1f}s"]
-    for slot, ms in sorted(by_slot.items()):
-        ms.sort(key=lambda m: m["started_at"])
-        between = sum(max((b["started_at"] - a["finished_at"]).total_seconds(), 0) for a, b in zip(ms, ms[1:]))
-        outside = sum((m["finished_at"] - m["started_at"]).total_seconds() - m["engine_seconds"] for m in ms)
-        lines.append(f"engine slot {slot}: {len(ms)} partitions, engine {sum(m['engine_seconds'] for m in ms):.1f}s, "
-                     f"idle before the first {(ms[0]['started_at'] - start).total_seconds():.1f}s, between "
-                     f"partitions {between:.1f}s, after the last {(end - ms[-1]['finished_at']).total_seconds():.1f}s, "
-                     f"in tasks outside the engine {outside:.1f}s")
+        by_engine[str(m.get("engine_slot"))].append(m)
+    lines = [f"inference stage {end - start:.1f}s"]
+    for slot, ms in sorted(by_engine.items()):
+        spans = merged_spans([(m["engine_started_at"].timestamp(), m["engine_finished_at"].timestamp()) for m in ms])
+        between = sum(b[0] - a[1] for a, b in zip(spans, spans[1:]))
+        busy = sum(e - s for s, e in spans)
+        lines.append(f"engine {slot}: {len(ms)} partitions, busy {busy:.1f}s, idle before the first "
+                     f"{spans[0][0] - start:.1f}s, between partitions {between:.1f}s, after the last "
+                     f"{end - spans[-1][1]:.1f}s")
     return lines
 
 
@@ -95,7 +98,11 @@ def main(argv=None) -> int:
     p.add_argument("--mix", choices=["short", "gen"], default="short")
     p.add_argument("--model", default=None, help="model directory (default: build the tiny model)")
     p.add_argument("--master", default="local[2]")
-    p.add_argument("--slots", type=int, default=2, help="engines (task slots)")
+    p.add_argument("--slots", type=int, default=2, help="engines")
+    p.add_argument("--tasks-per-engine", type=int, default=2,
+                   help="inference tasks feeding each engine at once (as many as the master's task threads allow)")
+    p.add_argument("--dtype", default="bfloat16",
+                   help="bfloat16, or float32 on a CPU without native bf16 (AVX2 only), where bf16 runs ~5x slower")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (OMP_NUM_THREADS; vLLM's default: 1)")
     p.add_argument("--target-tokens-per-partition", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -126,7 +133,8 @@ def main(argv=None) -> int:
     session_s = time.monotonic() - t0
     cfg = BatchConfig(input=str(input_path), output_dir=str(work / "out"), model=model, batch_id="profile",
                       num_task_slots=args.slots, default_max_tokens=args.max_tokens, max_model_len=2048,
-                      max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, dtype="bfloat16",
+                      max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, dtype=args.dtype,
+                      tasks_per_engine=args.tasks_per_engine,
                       **({"target_tokens_per_partition": args.target_tokens_per_partition}
                          if args.target_tokens_per_partition else {}))
     profile = cProfile.Profile()
@@ -141,7 +149,9 @@ def main(argv=None) -> int:
     [log] = [Path(f) for f in glob.glob(str(events / "*")) if not Path(f).name.startswith("appstatus")]
 
     jobs = spark_jobs(log)
-    print(f"requests={args.requests} slots={args.slots} session={session_s:.1f}s run={run_s:.1f}s "
+    print(f"requests={args.requests} engines={args.slots} master={args.master} "
+          f"tasks_per_engine={result.batch.partition_plan['task_slots'] // result.batch.partition_plan['engines']} "
+          f"dtype={args.dtype} session={session_s:.1f}s run={run_s:.1f}s "
           f"spark_jobs={len(jobs)} completed={result.completed} failed={result.failed} work={work}")
     print("\nstages (wall from their first job's start to their last job's end; stages overlap)")
     stages: dict[str, list] = collections.OrderedDict()

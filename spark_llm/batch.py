@@ -153,7 +153,7 @@ class BatchResult:
         resumed = f" ({self.skipped} already answered before this run)" if self.skipped else ""
         plan = self.batch.partition_plan or {}
         busy = plan.get("busy_fraction")
-        engines = (f"  engines busy {busy:.1%} of slot time ({plan['engine_seconds']:.1f} s engine time over "
+        engines = (f"  engines busy {busy:.1%} of their time ({plan['engine_seconds']:.1f} s engine time over "
                    f"{plan['inference_wall_seconds']:.1f} s of inference, {plan['runs']} run(s))\n"
                    if busy is not None else "")
         return (f"batch {self.batch_id}: {self.status}; {self.total} requests, {self.completed} completed, "

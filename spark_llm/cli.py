@@ -136,7 +136,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         from .plan import plan_local
 
         try:
-            print(plan_local(config, args.master, args.tokens_per_second).summary())
+            print(plan_local(config, args.master, args.tokens_per_second, spark_conf).summary())
         except ConfigError as exc:
             print(f"spark-llm: error: {exc}", file=sys.stderr)
             return 2

@@ -306,9 +306,18 @@ class BatchConfig(BaseModel):
         "finer retries and better balance, more engine calls; larger: fewer, longer tasks.",
         json_schema_extra=group("partitioning and waves"))
     num_task_slots: Optional[int] = Field(
-        None, ge=1, description="Inference tasks that run at once (GPU engines in the cluster; on a local master, "
-        "the engines that share its cores: 1 gives one engine all of them). Default: derived from Spark (executors "
-        "x GPUs per executor / GPUs per task, or the default parallelism on CPU).",
+        None, ge=1, description="Engines that run at once (GPU engines in the cluster; on a local master, the engines "
+        "that share its cores: 1 gives one engine all of them). Default: derived from Spark (executors x GPUs per "
+        "executor / tensor_parallel_size, or the default parallelism on CPU).",
+        json_schema_extra=group("partitioning and waves"))
+    tasks_per_engine: int = Field(
+        2, ge=1, le=8, description="Inference tasks that feed one engine at once. With 2, the next partition's "
+        "requests are already in the engine while the last answers of the one before decode at a shrinking batch, "
+        "and while a task starts, reads its rows or writes its results, so the engine never waits between "
+        "partitions; each task holds its partition's rows in its Python worker. On GPUs that many tasks share "
+        "one GPU (the inference stage asks for 1/N of a GPU per task, as far as the executor's cores allow; a "
+        "tensor-parallel group is fed by one task); on a local master, as many as its task threads allow "
+        "(local[4] with 2 engines: 2 each). 1: one task per engine, the engine idle between its tasks.",
         json_schema_extra=group("partitioning and waves"))
     prefix_aware_partitions: bool = Field(
         True, description="Keep requests that share a leading prefix (system prompt, few-shot block, one document "

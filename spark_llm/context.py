@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -16,9 +17,9 @@ from pyspark.sql import SparkSession
 
 from . import storage
 from .config import BatchConfig
-from .engine import inference_profile, resolve, resolve_models
+from .engine import EngineLayout, engine_layout, inference_profile, resolve, resolve_models
 from .metrics import ListParam
-from .session import is_connect, spark_conf
+from .session import default_parallelism, is_connect, local_task_threads, spark_conf
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,18 @@ class RunContext:
         """This run with ``cfg`` (one of :attr:`models`) as the settings its inference stage reads."""
         return dataclasses.replace(self, cfg=cfg)
 
+    @functools.cached_property
+    def layout(self) -> EngineLayout:
+        """The engines of this model (``cfg``) and the tasks that feed them (see engine.engine_layout)."""
+        conf = spark_conf(self.spark)
+        return engine_layout(conf, engines=self.cfg.num_task_slots, tasks_per_engine=self.cfg.tasks_per_engine,
+                             tensor_parallel_size=self.cfg.tensor_parallel_size,
+                             parallelism=lambda: default_parallelism(self.spark), local_threads=local_task_threads(conf))
+
     @property
     def gpu_profile(self) -> Any:
         """The inference stage's ResourceProfile (its GPUs), or None (see engine.inference_profile)."""
-        return inference_profile(spark_conf(self.spark), self.cfg.tensor_parallel_size)
+        return inference_profile(spark_conf(self.spark), self.cfg.tensor_parallel_size, self.layout.feeds)
 
     @property
     def batch_id(self) -> str:

@@ -12,9 +12,10 @@ import hashlib
 import json
 import logging
 import os
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, MutableMapping, Optional
+from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 from .config import BatchConfig, ConfigError
 from .errors import EngineStartError
@@ -187,23 +188,24 @@ def _amount(spark_conf: dict[str, str], key: str) -> float:
 
 
 def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) -> None:
-    """Driver-side check of Spark's GPU settings against the engine, one clear message per mistake: one inference
-    task must own exactly the ``tensor_parallel_size`` GPUs of one engine."""
+    """Driver-side check of Spark's GPU settings against the engine, one clear message per mistake: the GPUs of one
+    inference task are those of one engine (``tensor_parallel_size`` of them), or a share of one GPU (``1/N``, N
+    tasks feeding one engine)."""
     task, executor = (_amount(spark_conf, f"spark.{k}.resource.gpu.amount") for k in ("task", "executor"))
-    if task and task != tensor_parallel_size:
+    if task and task != tensor_parallel_size and not (tensor_parallel_size == 1 and _shares(task)):
         raise ConfigError(
             f"spark.task.resource.gpu.amount is {spark_conf['spark.task.resource.gpu.amount']} but "
             f"tensor_parallel_size is {tensor_parallel_size}: each inference task must own exactly the GPUs of one "
-            f"engine. Better, leave spark.task.resource.gpu.amount unset: spark_llm asks for "
-            f"{tensor_parallel_size} GPU(s) on the inference stage alone (stage-level scheduling)"
-            + (" (a fraction would put two engines on one GPU)" if task < 1 else ""))
+            f"engine" + (" or, with one GPU per engine, 1/N of it (N tasks feeding it)" if tensor_parallel_size == 1
+                         else "") + f". Better, leave spark.task.resource.gpu.amount unset: spark_llm asks for the "
+            f"GPUs on the inference stage alone (stage-level scheduling; tasks_per_engine sets the share)")
     if executor and executor < tensor_parallel_size:
         raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but executors have {executor:g} GPU(s) "
                           f"(spark.executor.resource.gpu.amount): one engine's GPUs must be on one executor")
     if task:
         log.warning("spark.task.resource.gpu.amount is set for every stage, so reading, validation and token "
-                    "counting also run one task per GPU; leave it unset to let spark_llm ask for GPUs on the "
-                    "inference stage only")
+                    "counting also run %g task(s) per GPU; leave it unset to let spark_llm ask for GPUs on the "
+                    "inference stage only", 1 / task if task < 1 else 1)
     if executor and executor % tensor_parallel_size:
         log.warning("executors have %g GPUs, not a multiple of tensor_parallel_size %d: %g of them stay idle",
                     executor, tensor_parallel_size, executor % tensor_parallel_size)
@@ -213,22 +215,83 @@ def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) ->
                           "and size spark.executor.memoryOverhead instead")
 
 
+def _shares(amount: float) -> int:
+    """N when ``amount`` is 1/N of a GPU (N >= 2), else 0."""
+    if not 0 < amount <= 0.5:
+        return 0
+    n = round(1 / amount)
+    return n if math.isclose(n * amount, 1.0, rel_tol=1e-6) else 0
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Engines that run at once (across the cluster) and inference tasks that feed each of them at once
+    (:mod:`~spark_llm.engine_service`: feeds), so :attr:`tasks` inference tasks run at once: what the partition
+    plan rounds to and a wave holds twice. ``cpu_slots``: the engines of an executor where Spark's scheduling does
+    not bound them (a local master without GPUs), else None."""
+
+    engines: int
+    feeds: int = 1
+    cpu_slots: Optional[int] = None
+
+    @property
+    def tasks(self) -> int:
+        return self.engines * self.feeds
+
+
+def engine_layout(spark_conf: Mapping[str, str], *, engines: Optional[int], tasks_per_engine: int,
+                  tensor_parallel_size: int, parallelism: Callable[[], int],
+                  local_threads: Optional[int] = None) -> EngineLayout:
+    """The layout of a run's engines (``engines``: the configured number, else derived):
+
+    - GPU scheduling: executors x (executor GPUs // tensor_parallel_size) engines; with one GPU per engine,
+      ``tasks_per_engine`` tasks share each GPU, as many as the executor's cores take (Spark gives a GPU's shares to
+      tasks first come, first served: tasks that do not fit would leave other GPUs idle); a tensor-parallel group
+      is fed by one task (Spark cannot give two tasks one set of several GPUs). A fraction set for every stage
+      (``spark.task.resource.gpu.amount``) decides the share instead.
+    - a local master without GPUs (``local_threads`` task threads): the engines (default: the parallelism) share
+      its cores, each fed by up to ``tasks_per_engine`` of its task threads.
+    - other clusters without GPUs: an engine per running task.
+    """
+    conf = dict(spark_conf)
+    task, executor = (_amount(conf, f"spark.{k}.resource.gpu.amount") for k in ("task", "executor"))
+    if executor:
+        per_executor = max(1, int(executor // tensor_parallel_size))
+        executors = int(conf.get("spark.executor.instances", "0") or 0) or int(
+            conf.get("spark.dynamicAllocation.maxExecutors", "0") or 0)
+        if task:
+            feeds = _shares(task) if tensor_parallel_size == 1 else 1
+        else:
+            feeds = tasks_per_engine if tensor_parallel_size == 1 else 1
+            cores, cpus = int(conf.get("spark.executor.cores", "0") or 0), int(_amount(conf, "spark.task.cpus") or 1)
+            if cores:
+                feeds = min(feeds, cores // (cpus * per_executor))
+        feeds = max(1, feeds)
+        count = engines or (executors * per_executor if executors else max(1, parallelism() // feeds))
+        return EngineLayout(count, feeds)
+    if local_threads:
+        count = engines or max(1, parallelism())
+        return EngineLayout(count, max(1, min(tasks_per_engine, local_threads // count)), cpu_slots=count)
+    return EngineLayout(engines or max(1, parallelism()))
+
+
 def has_gpus(spark_conf: dict[str, str]) -> bool:
     """Executors have GPUs (Spark's GPU scheduling is on)."""
     return _amount(spark_conf, "spark.executor.resource.gpu.amount") > 0
 
 
-def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int) -> Any:
-    """The ResourceProfile of the inference stage: ``tensor_parallel_size`` GPUs per task, so that only that stage
-    asks for GPUs (Spark's stage-level scheduling); None when executors have no GPUs or every task already asks for
-    them (``spark.task.resource.gpu.amount``)."""
+def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int, feeds: int = 1) -> Any:
+    """The ResourceProfile of the inference stage: ``tensor_parallel_size`` GPUs per task, or 1/``feeds`` of one GPU
+    (that many tasks feeding its engine), so that only that stage asks for GPUs (Spark's stage-level scheduling);
+    None when executors have no GPUs or every task already asks for them (``spark.task.resource.gpu.amount``)."""
     if not _amount(spark_conf, "spark.executor.resource.gpu.amount") or \
             _amount(spark_conf, "spark.task.resource.gpu.amount"):
         return None
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
     cpus = int(_amount(spark_conf, "spark.task.cpus") or 1)
-    requests = TaskResourceRequests().cpus(cpus).resource("gpu", tensor_parallel_size)
+    gpus = 1.0 / feeds if tensor_parallel_size == 1 and feeds > 1 else tensor_parallel_size
+    requests = TaskResourceRequests().cpus(cpus).resource("gpu", gpus)
     return ResourceProfileBuilder().require(requests).build
 
 

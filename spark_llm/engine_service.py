@@ -1,19 +1,26 @@
-"""One vLLM engine per device slot of a host, in a process of its own, for the life of the executor.
+"""One vLLM engine per device slot of a host, in a process of its own, for the life of the executor; the tasks'
+side of it (the engine process itself is :mod:`~spark_llm.engine_server`).
 
 Spark hands a Python worker different GPUs from task to task, recycles idle workers, and a CUDA context cannot move
 to another device once made; an engine that lives in the worker would be rebuilt on most tasks and could end up
 twice on one GPU. So the engine lives beside the workers:
 
-- A **slot** is what a task owns while it runs: the GPU addresses Spark assigned it (``gpu-0``, ``gpu-2,3`` for a
-  tensor-parallel group), or, without GPU scheduling, the first free ``cpu-N`` of the host. The task holds the slot's
-  file lock for as long as it uses the engine, so one task at a time talks to a slot's engine.
-- An **engine server** (``python -m spark_llm.engine_service``) serves one slot: started by the first task that needs
-  it, in a new session (it outlives Python worker recycling) and a clean process (CUDA and vLLM's tensor-parallel
-  workers start from nothing; ``spawn`` for vLLM's own processes), with ``CUDA_VISIBLE_DEVICES`` set to the slot's
-  devices. It holds a file lock on each of its devices for its whole life, so two engines are never on one device:
-  a server for other settings or another grouping of those devices is asked to stop, and waited for, first.
-- Tasks send token ids and sampling settings over a Unix socket and get plain outputs back; a request the engine
-  rejects is isolated there (:func:`~spark_llm.infer.generate_isolating`) and comes back as that request's error.
+- A **slot** is an engine's place: the GPU addresses Spark assigned the task (``gpu-0``, ``gpu-2,3`` for a
+  tensor-parallel group), or, without GPU scheduling, ``cpu-<executor>-N``.
+- A **feed** is what a task holds while it uses its slot's engine: one of the slot's ``feeds`` file locks, so that
+  at most that many tasks feed one engine at once (``tasks_per_engine``: Spark gives that many tasks one GPU, see
+  :func:`~spark_llm.engine.engine_layout`; without GPUs the task takes the first free feed of the first
+  ``cpu_slots`` slots, every slot's first feed before any second one, and waits when all are taken). While one
+  task's partition drains, the next task's requests already keep the engine busy. A partition with engine deaths
+  on record takes every feed of its slot (:meth:`Feed.alone`), so that a death during its calls is its own.
+- An **engine server** (``python -m spark_llm.engine_server``) serves one slot: started by the first task that needs
+  it (under the slot's start lock, so two feeders never start two), in a new session (it outlives Python worker
+  recycling) and a clean process (CUDA and vLLM's tensor-parallel workers start from nothing; ``spawn`` for vLLM's
+  own processes), with ``CUDA_VISIBLE_DEVICES`` set to the slot's devices. It holds a file lock on each of its
+  devices for its whole life, so two engines are never on one device: a server for other settings or another
+  grouping of those devices is asked to stop, and waited for, first.
+- Tasks send token ids and sampling settings over a Unix socket and get plain outputs back, each as it finishes; a
+  request the engine rejects comes back as that request's error.
 - An engine that cannot start is remembered for the rest of the run (per executor and settings), so the task's
   retries fail at once instead of loading the model again for each attempt; the next run tries again.
 - A server stops when the executor that started it is gone, after ``engine_idle_timeout_seconds`` without requests,
@@ -26,21 +33,17 @@ addresses are container-relative (YARN, Kubernetes), each container has its own 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -54,8 +57,11 @@ _START_TIMEOUT_S = 1800.0   # an 8B model with CUDA graphs takes minutes; a 70B 
 STREAM_CHUNK = 256
 #: Version of what crosses the socket, part of every engine's key: a task never talks to an engine server of an
 #: older spark_llm that may still be running on the host.
-PROTOCOL = 2
-_STOP_TIMEOUT_S = 120.0
+PROTOCOL = 3
+#: The engine directory's record of engine starts, readies and stops (one JSON object a line).
+EVENTS_FILE = "events.jsonl"
+#: Seconds to wait for an engine process to stop and release its devices (here and in the engine server).
+STOP_TIMEOUT_SECONDS = 120.0
 
 
 def engine_dir() -> Path:
@@ -100,6 +106,12 @@ class Output:
 
 class EngineDied(RuntimeError):
     """The engine process died (or its engine is dead) during a call: the requests in flight got no answer."""
+
+
+class EngineGone(RuntimeError):
+    """The engine was gone, or on its way out, before a call's requests reached it (its slot's other feeder's
+    request killed it, say): the task starts or finds another engine and makes the call again; no request of the
+    call was in flight, so none of them is suspected."""
 
 
 @dataclass
@@ -169,37 +181,90 @@ def _try_lock(path: Path) -> Optional[int]:
         return None
 
 
+def _lock(path: Path) -> int:
+    """An exclusive file lock, waited for."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _feed_lock(slot: Slot, index: int) -> Path:
+    return slot.path(f".feed-{index}.lock")
+
+
+@dataclass
+class Feed:
+    """A task's place at its slot's engine: feed ``index`` of the slot's ``count`` (see the module docs)."""
+
+    slot: Slot
+    index: int
+    count: int
+    _fds: dict[int, int] = field(default_factory=dict, repr=False)  #: feed index -> its lock, held
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """Hold every feed of the slot for the block: no other task feeds the engine meanwhile (those under way
+        finish first). Our own feed is let go and all are taken in order, so two tasks going alone at once never
+        hold each other up for good."""
+        if self.count < 2:
+            yield
+            return
+        if (own := self._fds.pop(self.index, None)) is not None:
+            os.close(own)
+        try:
+            for j in range(self.count):
+                self._fds[j] = _lock(_feed_lock(self.slot, j))
+            yield
+        finally:
+            for j in [j for j in self._fds if j != self.index]:
+                os.close(self._fds.pop(j))
+            if self.index not in self._fds:  # cut short while taking them
+                self._fds[self.index] = _lock(_feed_lock(self.slot, self.index))
+
+    def release(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 @contextlib.contextmanager
-def hold_slot(gpus: Optional[Sequence[str]], cpu_slots: Optional[int] = None) -> Iterator[Slot]:
-    """The slot of this task, held (file lock) until the block ends: its GPUs' slot, else a free ``cpu-N``, of the
-    first ``cpu_slots`` when given (the task waits for one to be free)."""
-    if gpus:
-        slot = Slot.for_gpus(gpus)
-        fd = _try_lock(slot.path(".slot.lock"))
-        if fd is None:
-            raise EngineStartError(
-                f"GPU(s) {','.join(slot.devices)} of this host are in use by another Spark task; two executors on one "
-                f"host must not be given the same GPU addresses (check the discovery script and "
-                f"spark.worker.resource.gpu.* / the resource manager's GPU isolation)")
+def hold_feed(gpus: Optional[Sequence[str]], cpu_slots: Optional[int] = None, feeds: int = 1) -> Iterator[Feed]:
+    """A feed of this task's slot, held until the block ends: of its GPUs' slot, else of the first ``cpu_slots``
+    CPU slots of the executor (every slot's first feed before any second one), waiting while every feed is taken (a
+    task of the slot running alone, or more tasks than Spark should give these GPUs). Without either, an engine of
+    its own: the first CPU slot nobody feeds."""
+    if gpus or cpu_slots:
+        slots = [Slot.for_gpus(gpus)] if gpus else [Slot.cpu(n) for n in range(cpu_slots or 1)]
+        feeds = max(1, feeds)
+        places = [(slot, index) for index in range(feeds) for slot in slots]
+        while (taken := _take_first_free(places)) is None:
+            time.sleep(0.05)
     else:
-        n = 0
-        while (fd := _try_lock(Slot.cpu(n).path(".slot.lock"))) is None:
+        feeds, n = 1, 0
+        while (taken := _take_first_free([(Slot.cpu(n), 0)])) is None:
             n += 1
-            if cpu_slots and n >= cpu_slots:  # all taken: try again from the first
-                n = 0
-                time.sleep(0.05)
-        slot = Slot.cpu(n)
+    slot, index, fd = taken
+    feed = Feed(slot, index, feeds, {index: fd})
     try:
-        yield slot
+        yield feed
     finally:
-        os.close(fd)
+        feed.release()
+
+
+def _take_first_free(places: Sequence[tuple[Slot, int]]) -> Optional[tuple[Slot, int, int]]:
+    """The first (slot, feed index) whose lock is free, taken: with the lock's file descriptor."""
+    for slot, index in places:
+        fd = _try_lock(_feed_lock(slot, index))
+        if fd is not None:
+            return slot, index, fd
+    return None
 
 
 # ---- the client: a task's view of its slot's engine ----------------------------------------------------------
 
 @dataclass
 class EngineClient:
-    slot: Slot
+    feed: Feed              #: the task's feed of its slot
     info: dict              #: the server's info: pid, key, devices, load_seconds
     started_here: bool      #: this task started the server
     #: seconds this task waited for the slot's engine to load (its own start, or one already under way)
@@ -208,21 +273,32 @@ class EngineClient:
     _spec: Any = field(repr=False, default=None)
     _process: Any = field(repr=False, default=None)
     rebuilds: int = 0       #: engines this task started again after one died under it
-    rebuild_seconds: float = 0.0  #: seconds this task spent rebuilding dead engines
+    rebuild_seconds: float = 0.0  #: seconds this task spent waiting for dead engines to be rebuilt
+
+    @property
+    def slot(self) -> Slot:
+        return self.feed.slot
 
     @property
     def load_seconds(self) -> float:
         """Seconds this task waited for engines to load: 0 when its slot's engine was ready."""
         return self.waited_seconds + self.rebuild_seconds
 
-    def rebuild(self) -> None:
-        """Start the slot's engine again after it died (:class:`EngineDied`), in place: the task keeps its slot."""
+    def alone(self) -> Any:
+        """A block during which this task is the engine's only feeder (:meth:`Feed.alone`)."""
+        return self.feed.alone()
+
+    def rebuild(self, died: bool = True) -> None:
+        """The slot's engine again after it died under this task (:class:`EngineDied`; ``died``), or was gone
+        before a call (:class:`EngineGone`), in place: the task keeps its feed. Whichever feeder of the slot comes
+        first starts it; the others wait for that one."""
+        t0 = time.monotonic()
         self.close()
-        stop_engines_on(self.slot)  # a server whose engine is dead but whose process lingers
-        self.info = _start_server(self.slot, self._spec, self._process)
-        self.rebuild_seconds += float(self.info.get("load_seconds", 0.0))
+        self.info, _, awaited = _serving(self.slot, self._spec, self._process, dead=self.info.get("pid"))
         self._conn = _connect(self.slot, self.info)
-        self.rebuilds += 1
+        if awaited:
+            self.rebuild_seconds += time.monotonic() - t0
+        self.rebuilds += died
 
     def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list[Output | RequestFailure]:
         """One result per (prompt token ids, SamplingParams keyword arguments, what to parse out of the answer:
@@ -232,15 +308,28 @@ class EngineClient:
         return results
 
     def stream(self, requests: list[tuple[list[int], dict, dict]],
-               on_result: Callable[[int, "Output | RequestFailure"], None]) -> None:
+               on_result: Callable[[int, "Output | RequestFailure"], None],
+               sent: Optional[Callable[[], None]] = None) -> None:
         """:meth:`generate`, streamed: ``on_result(index, result)`` as each request finishes (in the order they
         finish), while the engine goes on with the rest; the requests go over in chunks, the first of which the
-        engine starts on while the others are on their way."""
+        engine starts on while the others are on their way. :class:`EngineGone` when the engine was gone (or
+        stopping) before the call: it is asked first, since the slot's other feeder may have lost it since this
+        task's last call; :class:`EngineDied` when it died during the call. ``sent()`` once every request of the
+        call is on its way."""
+        try:
+            self._conn.send(("ping",))
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            status, value = "gone", f"the engine process (pid {self.info.get('pid')}) has ended"
+        if status == "gone":
+            raise EngineGone(f"engine of slot {self.slot.name}: {value}")
         try:
             self._conn.send(("stream", len(requests)))
             for start in range(0, len(requests), STREAM_CHUNK):
                 self._conn.send(("add", [(i, requests[i]) for i in range(start, min(start + STREAM_CHUNK,
                                                                                        len(requests)))]))
+            if sent is not None:
+                sent()
             while True:
                 status, value = self._conn.recv()
                 if status != "results":
@@ -252,6 +341,8 @@ class EngineClient:
                              f"during a call ({type(exc).__name__}); see {self.slot.path('.log')}") from None
         if status == "dead":
             raise EngineDied(f"engine of slot {self.slot.name}: {value}")
+        if status == "gone":
+            raise EngineGone(f"engine of slot {self.slot.name}: {value}")
         if status != "done":
             raise RuntimeError(f"engine of slot {self.slot.name}: {value}")
 
@@ -290,45 +381,57 @@ def _connect(slot: Slot, info: dict) -> Any:
 
 
 @contextlib.contextmanager
-def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSettings,
-               run_id: str = "", cpu_slots: Optional[int] = None) -> Iterator[EngineClient]:
+def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSettings, run_id: str = "",
+               cpu_slots: Optional[int] = None, feeds: int = 1) -> Iterator[EngineClient]:
     """The engine of this task's slot for ``spec`` (an :class:`~spark_llm.engine.EngineSpec`): the running one,
-    the one already starting (:func:`prestart`), or one started now (stopping whatever else holds the slot's
-    devices first); the slot is held until the block ends. Without GPUs, ``cpu_slots`` bounds the engines of the
-    executor (see :func:`hold_slot`). An engine that could not start for these settings on this executor during run
+    the one already starting (:func:`prestart`, or another feeder's start), or one started now (stopping whatever
+    else holds the slot's devices first); a feed of the slot is held until the block ends (see :func:`hold_feed`
+    for ``cpu_slots`` and ``feeds``). An engine that could not start for these settings on this executor during run
     ``run_id`` is not tried again in that run."""
     failed = engine_dir() / f"start-failed-{executor_pid()}-{spec.key}-{run_id}.txt"
     if failed.exists():  # a retried task of the run: the same settings failed here already, do not load again
         raise EngineStartError(failed.read_text())
-    with hold_slot(gpus, cpu_slots) as slot:
+    with hold_feed(gpus, cpu_slots, feeds) as feed:
         t0 = time.monotonic()
-        info = _read_info(slot)
-        conn = None
-        if info is not None and info.get("key") == spec.key:
-            try:
-                conn = _connect(slot, info)
-            except Exception:  # on its way out (its executor just ended): start a fresh one
-                conn = None
-        started, waited = False, 0.0
-        if conn is None:
-            starting = _starting(slot)
-            try:
-                if starting is not None and starting.get("key") == spec.key:
-                    info = _await_server(slot, int(starting["pid"]))
-                else:
-                    stop_engines_on(slot)
-                    info = _start_server(slot, spec, process)
-                    started = True
-            except EngineStartError as exc:
-                failed.write_text(str(exc))
-                raise
-            conn = _connect(slot, info)
-            waited = time.monotonic() - t0
-        client = EngineClient(slot, info, started, waited, conn, spec, process)
+        try:
+            info, started, awaited = _serving(feed.slot, spec, process)
+        except EngineStartError as exc:
+            failed.write_text(str(exc))
+            raise
+        conn = _connect(feed.slot, info)
+        client = EngineClient(feed, info, started, time.monotonic() - t0 if awaited else 0.0, conn, spec, process)
         try:
             yield client
         finally:
             client.close()
+
+
+def _serving(slot: Slot, spec: Any, process: ProcessSettings,
+             dead: Optional[int] = None) -> tuple[dict, bool, bool]:
+    """The info of ``slot``'s engine server for ``spec``, ready: the running one, the one starting, else one started
+    now; whether this call started it, and whether it waited for it to load. ``dead``: the pid of a server whose
+    engine died (or went) under the caller, which is never the answer (a lingering one is stopped). Decided under
+    the slot's start lock, so the feeders of a slot start one engine between them; the wait for it to load is
+    outside the lock."""
+    fd = _lock(slot.path(".start.lock"))
+    try:
+        info = _read_info(slot)
+        if info is not None and info.get("key") == spec.key and info.get("pid") != dead:
+            try:
+                _connect(slot, info).close()
+                return info, False, False
+            except Exception:  # on its way out (its executor just ended): start a fresh one
+                pass
+        starting = _starting(slot)
+        if starting is not None and starting.get("key") == spec.key and starting.get("pid") != dead:
+            pid, proc = int(starting["pid"]), None
+        else:
+            stop_engines_on(slot)
+            proc = _spawn_server(slot, spec, process)
+            pid = proc.pid
+    finally:
+        os.close(fd)
+    return _await_server(slot, pid, proc), proc is not None, True
 
 
 @dataclass(frozen=True)
@@ -343,9 +446,9 @@ class Executor:
 def prestart(spec: Any, process: ProcessSettings, slot: Slot, executor: Optional[Executor] = None) -> bool:
     """Start ``slot``'s engine for ``spec`` loading and return at once (the warm-up of local masters: engines load
     while the driver prepares the batch); the first task that needs it waits for it in :func:`engine_for`. Nothing
-    is started when the engine runs or is starting already, or when a task holds the slot. Returns whether one was
-    started. ``executor``: the executor's, when this process is not one of its Python workers."""
-    fd = _try_lock(slot.path(".slot.lock"))
+    is started when the engine runs or is starting already, or while a task is starting one. Returns whether one
+    was started. ``executor``: the executor's, when this process is not one of its Python workers."""
+    fd = _try_lock(slot.path(".start.lock"))
     if fd is None:
         return False
     try:
@@ -377,7 +480,7 @@ def stop_engines_on(slot: Slot) -> None:
         else:  # not listening yet
             with contextlib.suppress(ProcessLookupError):
                 os.kill(info["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
         while process_alive(info["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)
         if process_alive(info["pid"]):
@@ -397,12 +500,6 @@ def executor_pid() -> int:
     return os.getppid()
 
 
-def _start_server(slot: Slot, spec: Any, process: ProcessSettings) -> dict:
-    """Start the slot's engine server and wait until it is ready; its info."""
-    proc = _spawn_server(slot, spec, process)
-    return _await_server(slot, proc.pid, proc)
-
-
 def _spawn_server(slot: Slot, spec: Any, process: ProcessSettings,
                   executor: Optional[Executor] = None) -> subprocess.Popen:
     """Start the slot's engine server, recorded as starting (``<slot>.starting``: its pid, key and devices) until
@@ -420,7 +517,7 @@ def _spawn_server(slot: Slot, spec: Any, process: ProcessSettings,
     if slot.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.devices)
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    cmd = [sys.executable, "-m", "spark_llm.engine_service", "--slot", slot.name, "--devices", ",".join(slot.devices),
+    cmd = [sys.executable, "-m", "spark_llm.engine_server", "--slot", slot.name, "--devices", ",".join(slot.devices),
            "--spec-file", str(spec_file), "--key", spec.key,
            "--watch-pid", str(executor.pid if executor is not None else executor_pid()),
            "--idle-timeout", str(process.engine_idle_timeout_seconds or 0)]
@@ -471,353 +568,9 @@ def _write_private(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
-# ---- the server ----------------------------------------------------------------------------------------------
-
-def _event(**record: Any) -> None:
-    line = json.dumps({"time": time.time(), **record}) + "\n"
-    with open(engine_dir() / "events.jsonl", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(line)
-
-
-class _Server:
-    def __init__(self, slot: Slot, key: str, watch_pid: int, idle_timeout: float):
-        self.slot, self.key, self.watch_pid, self.idle_timeout = slot, key, watch_pid, idle_timeout
-        self.engine: Any = None
-        self.parsers: Any = None
-        self.pooling = False  #: an embedding engine (vLLM's pooling runner)
-        self.adapters: dict[Optional[str], Any] = {}  #: adapter name -> vLLM LoRARequest (None: the base model)
-        self.busy = False
-        self.last_used = time.monotonic()
-        self.lock = threading.Lock()
-
-    def stop(self, reason: str, code: int = 0) -> None:
-        """Leave: remove our files, record why, release the devices (the process ends)."""
-        with contextlib.suppress(Exception):
-            info = json.loads(self.slot.path(".json").read_text())
-            if info.get("pid") == os.getpid():
-                self.slot.path(".json").unlink()
-                self.slot.path(".sock").unlink()
-        _event(event="stop", slot=self.slot.name, devices=list(self.slot.devices), pid=os.getpid(), key=self.key,
-               reason=reason)
-        if self.engine is not None:
-            from .engine import shutdown_engine
-
-            shutdown_engine(self.engine)
-        os._exit(code)
-
-    def watch(self) -> None:
-        while True:
-            time.sleep(1.0)
-            if not process_alive(self.watch_pid):
-                with self.lock:
-                    self.stop("executor gone")
-            idle = time.monotonic() - self.last_used
-            if self.idle_timeout and not self.busy and idle > self.idle_timeout:
-                with self.lock:
-                    self.stop(f"idle for {idle:.0f}s")
-
-    def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list:
-        """Results of ``requests`` from one blocking engine call; a request the engine rejects is found by bisection
-        (:func:`~spark_llm.infer.generate_isolating`) and becomes its failure. For pooling engines and for what is
-        left of a stream after the engine raised (:meth:`stream`)."""
-        from .endpoints.engine_side import sampling_params
-        from .infer import generate_isolating, is_fatal
-
-        results: list = [None] * len(requests)
-        prompts, params, adapters, index = [], [], [], []
-        for i, (ids, sampling, options) in enumerate(requests):
-            try:
-                params.append(sampling_params(sampling, self.pooling))
-            except Exception as exc:
-                results[i] = RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
-                continue
-            prompts.append({"prompt_token_ids": ids})
-            adapters.append(self.adapters.get(options.get("adapter")))
-            index.append(i)
-        # the adapter of each request rides with its sampling settings, so that bisection keeps them paired
-        paired = list(zip(params, adapters))
-
-        def run(p: list, s: list) -> list:
-            lora = [a for _, a in s] if any(a is not None for _, a in s) else None
-            if self.pooling:
-                return self.engine.embed(p, pooling_params=[x for x, _ in s], lora_request=lora, use_tqdm=False)
-            return self.engine.generate(p, [x for x, _ in s], lora_request=lora, use_tqdm=False)
-        outs = generate_isolating(run, prompts, paired)
-        for i, out in zip(index, outs):
-            if isinstance(out, BaseException):
-                if is_fatal(out):
-                    raise out
-                results[i] = RequestFailure("engine", f"{type(out).__name__}: {out}")
-                continue
-            results[i] = self._result(out, requests[i][2])
-        return results
-
-    def _result(self, out: Any, parse: dict) -> "Output | RequestFailure":
-        """A finished vLLM output as what crosses the socket, its answers parsed as ``parse`` asks."""
-        result = _plain(out)
-        try:
-            for choice in result.outputs:
-                self.parsers.parse(choice, parse)
-        except Exception as exc:  # a parser bug on one odd answer is that request's error, not the batch's
-            return RequestFailure("engine", f"parsing the answer failed: {type(exc).__name__}: {exc}")
-        return result
-
-    def stream(self, conn: Any, total: int) -> None:
-        """One engine call, streamed. The requests arrive in chunks (``("add", [(index, request), ...])``,
-        ``total`` requests in all) and join the running engine as they come; each result goes back as soon as its
-        request finishes (``("results", [(index, result), ...])``), from a thread of its own, so the engine never
-        waits for the socket or the task; then ``("done", None)``."""
-        sender = _Sender(conn)
-        try:
-            if self.pooling:  # vLLM's pooling runner takes whole calls only
-                chunk = _receive(conn, total)
-                sender.put(("results", list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk])))))
-            else:
-                self._stream(conn, total, sender)
-            sender.put(("done", None))
-        finally:
-            sender.close()
-
-    def _stream(self, conn: Any, total: int, sender: "_Sender") -> None:
-        from .infer import is_fatal
-
-        engine = self.engine.llm_engine
-        flight: dict[str, tuple[int, tuple, str]] = {}  # vLLM's request id -> (index, request, internal id)
-        received = 0
-        try:
-            while received < total or flight:
-                if sender.gone:  # the task is gone (its worker died): nobody wants the rest
-                    return
-                while received < total and (not flight or conn.poll(0)):  # take what has arrived
-                    op, chunk = conn.recv()
-                    received += len(chunk)
-                    failed = self._enqueue(chunk, flight)
-                    if failed:
-                        sender.put(("results", failed))
-                if not flight:
-                    continue
-                try:
-                    outs = engine.step()
-                except Exception as exc:
-                    if is_fatal(exc):
-                        raise
-                    # which request the engine choked on is not known: the rest of the call runs isolating
-                    log.warning("engine step failed (%s: %s); isolating the %d request(s) in flight",
-                                type(exc).__name__, exc, len(flight))
-                    rest = [(i, r) for i, r, _ in flight.values()] + _receive(conn, total - received)
-                    engine.abort_request([internal for _, _, internal in flight.values()], internal=True)
-                    flight.clear()
-                    sender.put(("results", list(zip([i for i, _ in rest], self.generate([r for _, r in rest])))))
-                    return
-                done = [(entry[0], self._result(out, entry[1][2])) for out in outs if out.finished
-                        for entry in [flight.pop(out.request_id, None)] if entry is not None]
-                if done:
-                    sender.put(("results", done))
-        finally:
-            if flight:  # a call cut short: its requests must not linger in the engine
-                with contextlib.suppress(Exception):
-                    engine.abort_request([internal for _, _, internal in flight.values()], internal=True)
-
-    def _enqueue(self, chunk: list, flight: dict) -> list:
-        """Add a chunk of requests to the engine (``flight`` gets their vLLM ids); returns the failures of those
-        it refused, each found by adding the chunk's requests one by one when the chunk as a whole was refused."""
-        from .endpoints.engine_side import sampling_params
-        from .infer import is_fatal
-
-        failed, ready = [], []
-        for index, request in chunk:
-            try:
-                ready.append((index, request, sampling_params(request[1])))
-            except Exception as exc:
-                failed.append((index, RequestFailure("invalid", f"{type(exc).__name__}: {exc}")))
-
-        def add(items: list) -> None:
-            loras = [self.adapters.get(r[2].get("adapter")) for _, r, _ in items]
-            ids = self.engine.enqueue([{"prompt_token_ids": r[0]} for _, r, _ in items], [p for _, _, p in items],
-                                      lora_request=loras if any(a is not None for a in loras) else None,
-                                      use_tqdm=False)
-            for internal, (index, request, _) in zip(ids, items):
-                # outputs carry the id the request was added with; vLLM's own id has a random suffix after it
-                flight[internal.split("-", 1)[0]] = (index, request, internal)
-        try:
-            if ready:
-                add(ready)
-        except Exception as exc:
-            if is_fatal(exc):
-                raise
-            for item in ready:
-                try:
-                    add([item])
-                except Exception as one:
-                    if is_fatal(one):
-                        raise
-                    failed.append((item[0], RequestFailure("engine", f"{type(one).__name__}: {one}")))
-        return failed
-
-    def serve_connection(self, conn: Any) -> None:
-        try:
-            self.handle(conn)
-        finally:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-    def handle(self, conn: Any) -> None:
-        from .infer import is_fatal
-
-        while True:
-            try:
-                op, *args = conn.recv()
-            except (EOFError, OSError):
-                return
-            if op == "shutdown":
-                with contextlib.suppress(Exception):
-                    conn.send(("ok", None))
-                with self.lock:
-                    self.stop("asked to stop")
-            with self.lock:
-                self.busy = True
-                try:
-                    if op == "stream":
-                        self.stream(conn, *args)
-                    else:
-                        conn.send(("error", f"unknown op {op!r}"))
-                except Exception as exc:
-                    fatal = is_fatal(exc)
-                    message = f"{type(exc).__name__}: {exc}" + (" (the engine is dead)" if fatal else "")
-                    with contextlib.suppress(Exception):
-                        conn.send(("dead" if fatal else "error", message))
-                    if fatal:
-                        self.stop(f"engine dead: {exc}", code=1)
-                finally:
-                    self.busy = False
-                    self.last_used = time.monotonic()
-
-
-class _Sender:
-    """Sends a stream's messages from a thread of its own, in order, so the engine never waits for the socket or the
-    task; notes when the client has gone. Messages are pickled by the caller (the engine loop, between steps): the
-    thread only writes bytes, which releases the GIL, so it does not slow the engine down."""
-
-    def __init__(self, conn: Any):
-        self.conn, self.gone = conn, False
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="results", daemon=True)
-        self.thread.start()
-
-    def put(self, message: Any) -> None:
-        self.queue.put(bytes(ForkingPickler.dumps(message)))  # what Connection.recv reads
-
-    def _run(self) -> None:
-        while (payload := self.queue.get()) is not None:
-            if self.gone:
-                continue
-            try:
-                self.conn.send_bytes(payload)
-            except (OSError, EOFError, ValueError):
-                self.gone = True
-
-    def close(self) -> None:
-        """Send what is queued, then stop."""
-        self.queue.put(None)
-        self.thread.join()
-
-
-def _receive(conn: Any, count: int) -> list:
-    """The next ``count`` requests of a stream (``("add", chunk)`` messages)."""
-    got: list = []
-    while len(got) < count:
-        op, chunk = conn.recv()
-        got.extend(chunk)
-    return got
-
-
-def serve(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m spark_llm.engine_service")
-    p.add_argument("--slot", required=True)
-    p.add_argument("--devices", default="")
-    p.add_argument("--spec-file", required=True)
-    p.add_argument("--key", required=True)
-    p.add_argument("--watch-pid", type=int, required=True)
-    p.add_argument("--idle-timeout", type=float, default=0.0)
-    args = p.parse_args(argv)
-    slot = Slot(args.slot, tuple(d for d in args.devices.split(",") if d))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
-    server = _Server(slot, args.key, args.watch_pid, args.idle_timeout)
-    device_locks = []
-    for device in slot.devices:  # held until the process ends: never two engines on one device
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
-        while (fd := _try_lock(engine_dir() / f"device-{device}.lock")) is None:
-            if time.monotonic() > deadline:
-                slot.path(".error").write_text(f"GPU {device} is still held by another engine process after "
-                                               f"{_STOP_TIMEOUT_S:.0f}s; see {engine_dir()}")
-                server.stop("device busy", code=1)
-            time.sleep(0.2)
-        device_locks.append(fd)
-    _event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
-    threading.Thread(target=server.watch, name="watch", daemon=True).start()
-
-    from .endpoints.engine_side import Parsers
-    from .engine import EngineSpec, build_engine
-
-    spec = EngineSpec(settings=json.loads(Path(args.spec_file).read_text()))
-    t0 = time.monotonic()
-    try:
-        server.engine = build_engine(spec)
-        server.pooling = spec.settings.get("runner") == "pooling"
-        server.adapters = lora_requests(spec.settings.get("lora_modules") or {})
-        server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
-                                 spec.settings.get("reasoning_parser"))
-    except EngineStartError as exc:
-        slot.path(".error").write_text(str(exc))
-        server.stop("engine could not start", code=1)
-    load_s = time.monotonic() - t0
-
-    from multiprocessing.connection import Listener
-
-    authkey = os.urandom(16).hex()
-    with contextlib.suppress(FileNotFoundError):
-        slot.path(".sock").unlink()
-    listener = Listener(str(slot.path(".sock")), family="AF_UNIX", authkey=authkey.encode())
-    info = {"pid": os.getpid(), "slot": slot.name, "devices": list(slot.devices), "key": args.key,
-            "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time()}
-    _write_private(slot.path(".json"), info)
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(slot.path(".starting").read_text()).get("pid") == os.getpid():
-            slot.path(".starting").unlink()
-    _event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
-           load_seconds=round(load_s, 3))
-    log.info("engine for slot %s ready in %.1fs", slot.name, load_s)
-    while True:
-        try:
-            conn = listener.accept()
-        except Exception:  # a client that failed authentication or vanished
-            continue
-        server.last_used = time.monotonic()
-        # a thread per connection, so that a stop request is heard while a task is connected; engine calls are
-        # serialised by the server's lock
-        threading.Thread(target=server.serve_connection, args=(conn,), daemon=True).start()
-
-
-def lora_requests(lora_modules: dict[str, str]) -> dict[Optional[str], Any]:
-    """vLLM ``LoRARequest`` per adapter name, with stable integer ids (1, 2, ... in name order)."""
-    if not lora_modules:
-        return {}
-    from vllm.lora.request import LoRARequest
-
-    return {name: LoRARequest(name, n, os.path.abspath(path) if "://" not in path else path)
-            for n, (name, path) in enumerate(sorted(lora_modules.items()), 1)}
-
-
 def read_events(directory: Optional[Path] = None) -> list[dict]:
     """The servers' records (``events.jsonl``) of an engine directory."""
-    path = (directory or engine_dir()) / "events.jsonl"
+    path = (directory or engine_dir()) / EVENTS_FILE
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
-
-if __name__ == "__main__":
-    # run from the imported module, not from __main__: what crosses the socket must pickle as spark_llm's classes
-    from spark_llm import engine_service
-
-    sys.exit(engine_service.serve())
 

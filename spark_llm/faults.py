@@ -8,7 +8,8 @@ The value is one or more faults separated by ``;``:
 - ``crash_on_custom_id:<custom_id>`` (executors): the Python worker dies hard (as if OOM-killed) whenever an
   engine call holding that request starts: a poison request that takes its task down on every attempt.
 - ``kill_engine_on_custom_id:<custom_id>`` (executors): the task kills its engine process (``SIGKILL``) whenever an
-  engine call holding that request starts: a poison request that crashes the engine under a live worker.
+  engine call holding that request has been sent: a poison request that crashes the engine under a live worker
+  (and under the engine's other feeder).
 - ``kill_executor_once:<marker path>:<custom_id>`` (executors): the task kills its executor's JVM (``SIGKILL``)
   once, as an engine call holding that request starts: an executor lost mid-wave.
 - ``exit_after_wave:<N>`` (driver): the driver exits hard right after committing wave N.
@@ -53,9 +54,9 @@ def maybe_kill_worker(custom_ids: Collection[str]) -> None:
         os._exit(137)
 
 
-def before_engine_call(custom_ids: Collection[str], engine_pid: Optional[int]) -> None:
-    """``crash_on_custom_id`` / ``kill_executor_once`` / ``kill_engine_on_custom_id``: called by an inference task
-    as an engine call starts (after its in-flight marker is written)."""
+def before_engine_call(custom_ids: Collection[str]) -> None:
+    """``crash_on_custom_id`` / ``kill_executor_once``: called by an inference task as an engine call starts (after
+    its in-flight marker is written)."""
     for args in _faults("crash_on_custom_id"):
         if args[0] in custom_ids:
             log.error("fault injection: Python worker %d dies with %r in flight", os.getpid(), args[0])
@@ -67,6 +68,11 @@ def before_engine_call(custom_ids: Collection[str], engine_pid: Optional[int]) -
             log.error("fault injection: killing executor JVM %d with %r in flight", executor_pid(), args[1])
             os.kill(executor_pid(), signal.SIGKILL)
             os._exit(137)
+
+
+def engine_call_sent(custom_ids: Collection[str], engine_pid: Optional[int]) -> None:
+    """``kill_engine_on_custom_id``: called by an inference task once an engine call's requests are on their way
+    to the engine."""
     for args in _faults("kill_engine_on_custom_id"):
         if args[0] in custom_ids and engine_pid:
             log.error("fault injection: killing engine process %d with %r in flight", engine_pid, args[0])

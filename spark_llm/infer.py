@@ -1,7 +1,8 @@
 """Inference over whole partitions with the engine of the task's GPUs.
 
 One ``mapInPandas`` task hands its entire partition to its slot's engine (:mod:`~spark_llm.engine_service`) in one
-call so vLLM's continuous batching keeps the device busy; each row's endpoint module (:mod:`~spark_llm.endpoints`)
+streamed call, beside the slot's other feeder (``tasks_per_engine``), so vLLM's continuous batching keeps the device
+busy; each row's endpoint module (:mod:`~spark_llm.endpoints`)
 turns its outputs into the OpenAI response body. A request the engine rejects becomes that request's
 ``engine_error`` row (the failing batch is bisected to find it). A request that kills the engine is found and set
 aside by :mod:`~spark_llm.quarantine` (the engine is rebuilt in place; a dead worker's task is retried by Spark and
@@ -10,6 +11,7 @@ its next attempt reads the partition's journal), so it becomes one ``engine_erro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,8 +22,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from . import faults
 from .engine import EngineSpec, task_gpus
 from .endpoints import BY_KIND, Reply
-from .engine_service import (EngineClient, EngineDied, ProcessSettings, RequestFailure, Slot, engine_for,
-                             prestart)
+from .engine_service import (EngineClient, EngineDied, EngineGone, ProcessSettings, RequestFailure, Slot,
+                             engine_for, prestart)
 from .errors import ErrorCode, truncate
 from .quarantine import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .schemas import RESULT_FIELDS
@@ -41,9 +43,11 @@ class InferContext:
     run_id: str = ""               #: the run (an engine that cannot start is not tried again within it)
     #: planned partitions of the run before this model's (a batch of several models numbers them across its models)
     partition_offset: int = 0
-    #: engines of the executor without GPUs, where Spark's scheduling does not bound them (local masters: the task
-    #: slots, so that num_task_slots engines share the cores); None: one per running task
+    #: engines of the executor without GPUs, where Spark's scheduling does not bound them (local masters:
+    #: num_task_slots engines share the cores); None: one per running task
     cpu_slots: Optional[int] = None
+    #: tasks that feed one engine at once (see engine.EngineLayout)
+    feeds: int = 1
 
     def partition(self, pdf: Any) -> int:
         """The run's number of the partition ``pdf`` (its planned partition, after the earlier models')."""
@@ -106,10 +110,11 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
                                                   options[i]))
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
     journal = Journal.open(ctx.journal, ctx.partition(pdf))
-    with engine_for(ctx.engine, gpus, ctx.process, ctx.run_id, ctx.cpu_slots) as engine:
-        t0 = time.monotonic()
+    with engine_for(ctx.engine, gpus, ctx.process, ctx.run_id, ctx.cpu_slots, ctx.feeds) as engine:
+        t0, engine_started = time.monotonic(), time.time()
         guarded = generate_guarded(engine, requests, owner, pdf, journal, answer)
         engine_s = time.monotonic() - t0 - engine.rebuild_seconds
+        engine_finished = time.time()
     log.info("partition: %d requests in %.1fs on engine %s (load %.1fs)", n, engine_s, engine.slot.name,
              engine.load_seconds)
     faults.maybe_kill_worker(set(pdf["custom_id"]))
@@ -121,7 +126,8 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     results = guarded.results
     cached = sum(r.num_cached_tokens for r in results if r is not None and not isinstance(r, RequestFailure))
     record = {**_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus),
-              "cached_prompt_tokens": cached, "engine_deaths": guarded.deaths}
+              "cached_prompt_tokens": cached, "engine_deaths": guarded.deaths,
+              "engine_started_at": engine_started, "engine_finished_at": engine_finished}
     if ctx.metrics is not None:  # the live progress line (classic sessions)
         ctx.metrics.add([record])
     rows[0]["partition_metrics"] = json.dumps(record)  # the metrics table, from the staged results
@@ -145,7 +151,9 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
     """All requests of the partition through the engine, in one streamed call unless deaths are on record;
     ``on_row(i, outputs)`` as soon as every request of row ``i`` has its result. A call during which the engine
     dies is recorded as a death, the engine rebuilt, and the rows not answered yet replanned
-    (:func:`~spark_llm.quarantine.isolation_plan`)."""
+    (:func:`~spark_llm.quarantine.isolation_plan`). While deaths are on record the partition runs alone on the
+    engine (:meth:`~spark_llm.engine_service.EngineClient.alone`): a death during its calls is then its own, never
+    a request of the slot's other feeder."""
     ids = [str(x) for x in pdf["id"]]
     row_of = {rid: i for i, rid in enumerate(ids)}
     by_row: dict[int, list[int]] = {}
@@ -154,31 +162,45 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
     deaths = journal.deaths() if journal is not None else []
     results: list = [None] * len(requests)
     done: set[str] = set()
+    gone = 0  # engines found gone before a call: not deaths
     while True:
         plan = isolation_plan([r for r in ids if r not in done], deaths)
         if plan.isolating:
             log.warning("partition: %d engine death(s) on record; isolating in %d calls, %d request(s) set aside",
                         len(deaths), len(plan.calls), len(plan.quarantined))
         call: list[str] = []
+        marker = None
         try:
-            for call in plan.calls:
-                rows = [row_of[r] for r in call]
-                idx = [j for i in rows for j in by_row[i]]
-                left = {i: len(by_row[i]) for i in rows}
+            with engine.alone() if deaths else contextlib.nullcontext():
+                for call in plan.calls:
+                    rows = [row_of[r] for r in call]
+                    idx = [j for i in rows for j in by_row[i]]
+                    left = {i: len(by_row[i]) for i in rows}
 
-                def got(k: int, out: Any, idx: list[int] = idx, left: dict[int, int] = left) -> None:
-                    j = idx[k]
-                    results[j] = out
-                    i = owner[j]
-                    left[i] -= 1
-                    if not left[i]:
-                        done.add(ids[i])
-                        on_row(i, [results[x] for x in by_row[i]])
-                marker = journal.mark(call) if journal is not None else None
-                faults.before_engine_call({str(pdf["custom_id"].iat[i]) for i in rows}, engine.info.get("pid"))
-                engine.stream([requests[j] for j in idx], got)
-                if marker is not None:
-                    journal.clear(marker)
+                    def got(k: int, out: Any, idx: list[int] = idx, left: dict[int, int] = left) -> None:
+                        j = idx[k]
+                        results[j] = out
+                        i = owner[j]
+                        left[i] -= 1
+                        if not left[i]:
+                            done.add(ids[i])
+                            on_row(i, [results[x] for x in by_row[i]])
+                    marker = journal.mark(call) if journal is not None else None
+                    custom_ids = {str(pdf["custom_id"].iat[i]) for i in rows}
+                    faults.before_engine_call(custom_ids)
+                    engine.stream([requests[j] for j in idx], got,
+                                  sent=lambda: faults.engine_call_sent(custom_ids, engine.info.get("pid")))
+                    if marker is not None:
+                        journal.clear(marker)
+        except EngineGone as exc:  # lost before the call (under the slot's other feeder): nothing was in flight
+            if marker is not None:
+                journal.clear(marker)
+            gone += 1
+            if gone > 4 * MAX_ENGINE_REBUILDS:
+                raise
+            log.info("partition: %s; starting or finding the slot's next engine", str(exc).splitlines()[0])
+            engine.rebuild(died=False)
+            continue
         except EngineDied as exc:
             deaths.append(frozenset(call))
             if engine.rebuilds >= MAX_ENGINE_REBUILDS:

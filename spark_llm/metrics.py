@@ -42,26 +42,52 @@ def latest_records(records: list[dict]) -> list[dict]:
 
 def engine_usage(records: list[dict]) -> dict[str, Any]:
     """How busy the engines were over a batch's partitions (of one run or of all its runs: records carry their
-    ``run_id`` and ``task_slots``): ``busy_fraction`` = engine seconds / (engine slots x inference wall time), where
-    a run's inference wall runs from its first partition's start to its last partition's end."""
+    ``run_id`` and ``engines``): ``busy_fraction`` = engine busy seconds / (engines x inference wall time), where a
+    run's inference wall runs from its first partition's start to its last partition's end, and an engine's busy
+    time is the union of the spans its partitions' requests were in it (two tasks feed an engine at once, so their
+    spans overlap; records of older runs without spans count their engine_seconds)."""
     runs: dict[str, list[dict]] = {}
     for rec in records:
         runs.setdefault(str(rec.get("run_id")), []).append(rec)
-    engine_s = sum(float(r["engine_seconds"] or 0) for r in records)
-    wall = capacity = 0.0
+    busy = wall = capacity = 0.0
     for recs in runs.values():
         span = max(r["finished_at"] for r in recs) - min(r["started_at"] for r in recs)
-        slots = max(int(r.get("task_slots") or 0) for r in recs) or len({r.get("engine_slot") for r in recs})
+        engines = max(int(r.get("engines") or r.get("task_slots") or 0) for r in recs) or \
+            len({r.get("engine_slot") for r in recs})
         wall += span
-        capacity += span * slots
+        capacity += span * engines
+        by_engine: dict[Any, list[tuple[float, float]]] = {}
+        for r in recs:
+            if r.get("engine_started_at") is None or r.get("engine_finished_at") is None:
+                busy += float(r["engine_seconds"] or 0)
+            else:
+                by_engine.setdefault((r.get("engine_slot"), r.get("engine_pid")), []).append(
+                    (float(r["engine_started_at"]), float(r["engine_finished_at"])))
+        busy += sum(union_seconds(spans) for spans in by_engine.values())
     prompt = sum(int(r["prompt_tokens"] or 0) for r in records)
     cached = sum(int(r.get("cached_prompt_tokens") or 0) for r in records)
     tokens = prompt + sum(int(r["completion_tokens"] or 0) for r in records)
-    return {"runs": len(runs), "partitions_run": len(records), "engine_seconds": round(engine_s, 3),
+    return {"runs": len(runs), "partitions_run": len(records), "engine_seconds": round(busy, 3),
             "inference_wall_seconds": round(wall, 3),
-            "busy_fraction": round(engine_s / capacity, 4) if capacity > 0 else None,
-            "engine_tokens_per_second": round(tokens / engine_s, 1) if engine_s > 0 else None,
+            "busy_fraction": round(busy / capacity, 4) if capacity > 0 else None,
+            "engine_tokens_per_second": round(tokens / busy, 1) if busy > 0 else None,
             "prefix_cache_hit_rate": round(cached / prompt, 4) if prompt else None}
+
+
+def merged_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The ``(start, end)`` spans merged where they overlap or touch, in order."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def union_seconds(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the ``(start, end)`` spans."""
+    return sum(end - start for start, end in merged_spans(spans))
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -25,7 +25,6 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from .schemas import PREFIX_COL
-from .session import default_parallelism, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class PartitionPlan:
     """What the partitioner decided; recorded in batch.json (except the boundary keys)."""
 
     num_partitions: int
-    task_slots: int
+    task_slots: int                #: inference tasks that run at once
     total_estimated_tokens: int
     target_tokens_per_partition: int
     tokens_per_partition: list[int] = field(default_factory=list)
@@ -67,6 +66,7 @@ class PartitionPlan:
     #: request (None: an empty partition)
     order: tuple[str, ...] = ("id",)
     starts: list[Optional[tuple]] = field(default_factory=list, repr=False)
+    engines: int = 0               #: engines those tasks feed (0: one per task)
 
     @property
     def balance_ratio(self) -> float:
@@ -78,6 +78,7 @@ class PartitionPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return {"num_partitions": self.num_partitions, "task_slots": self.task_slots,
+                "engines": self.engines or self.task_slots,
                 "total_estimated_tokens": self.total_estimated_tokens,
                 "target_tokens_per_partition": self.target_tokens_per_partition,
                 "tokens_per_partition": self.tokens_per_partition,
@@ -90,21 +91,6 @@ def num_partitions(total_tokens: int, target: int, slots: int) -> int:
     slots = max(1, slots)
     wanted = max(1, math.ceil(total_tokens / max(1, target)))
     return max(slots, math.ceil(wanted / slots) * slots)
-
-
-def task_slots(spark: SparkSession, configured: Optional[int] = None, tensor_parallel_size: int = 1) -> int:
-    """Inference tasks that can run at once: GPU engines when Spark schedules GPUs (the inference stage asks for
-    ``tensor_parallel_size`` GPUs per task), else the default parallelism."""
-    if configured:
-        return configured
-    conf = spark_conf(spark)
-    task_gpus = float(conf.get("spark.task.resource.gpu.amount", "0") or 0) or tensor_parallel_size
-    exec_gpus = float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
-    executors = int(conf.get("spark.executor.instances", "0") or 0) or int(
-        conf.get("spark.dynamicAllocation.maxExecutors", "0") or 0)
-    if task_gpus > 0 and exec_gpus > 0 and executors > 0:
-        return max(1, executors * int(exec_gpus // task_gpus))
-    return max(1, default_parallelism(spark))
 
 
 def _partition_sums(df: DataFrame) -> dict[int, int]:
@@ -168,8 +154,9 @@ def _hash_keys(spark: SparkSession, parts: int, first: int = 0) -> DataFrame:
 
 
 def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col: str = "id",
-                    prefix_aware: bool = True) -> PartitionPlan:
-    """Plan partitions of the valid requests ``df`` (with ``est_tokens``) so that estimated tokens are balanced:
+                    prefix_aware: bool = True, engines: int = 0) -> PartitionPlan:
+    """Plan partitions of the valid requests ``df`` (with ``est_tokens``) for ``slots`` inference tasks at once
+    (feeding ``engines`` engines) so that estimated tokens are balanced:
     consecutive ranges of the cumulative estimated cost, in the order of ``order_col`` (unique, never null). With
     ``prefix_aware`` (and a :data:`PREFIX_COL` column) the order is by :func:`prefix_key` first, so an adapter's
     requests and requests sharing a prefix are consecutive and land in one partition (two when they straddle a
@@ -204,7 +191,7 @@ def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col:
             .collect()  # a row per shuffle partition and planned partition: metadata
     finally:
         line.unpersist()
-    plan = PartitionPlan(num_partitions=parts, task_slots=slots, total_estimated_tokens=total,
+    plan = PartitionPlan(num_partitions=parts, task_slots=slots, engines=engines, total_estimated_tokens=total,
                          target_tokens_per_partition=target_tokens, order=order,
                          tokens_per_partition=[0] * parts, requests_per_partition=[0] * parts,
                          starts=[None] * parts)

@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -22,9 +22,10 @@ from pyspark.sql import functions as F
 from . import storage
 from .config import BatchConfig, ConfigError
 from .context import RunPaths
-from .engine import check_adapters, resolve, resolve_models
-from .partition import num_partitions, task_slots
+from .engine import EngineLayout, check_adapters, engine_layout, resolve, resolve_models
+from .partition import num_partitions
 from .prepare import prepare
+from .session import LOCAL_DEFAULTS, default_parallelism, local_task_threads, spark_conf
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class BatchPlan:
     prompt_tokens: int               #: of the requests, after the chat template
     max_output_tokens: int           #: sum of n x max_tokens per prompt: the most the batch can generate
     partitions: int
-    task_slots: int                  #: engines that would run at once
+    engines: int                     #: engines that would run at once
     waves: int
     tokens_per_second: Optional[float] = None   #: per engine, prompt + generated tokens
     tokens_per_second_source: str = ""
@@ -54,11 +55,11 @@ class BatchPlan:
                  f"  prompt tokens:      {self.prompt_tokens}",
                  f"  max output tokens:  {self.max_output_tokens} (n x max_tokens per prompt; generation usually stops "
                  f"sooner)",
-                 f"  partitions / waves: {self.partitions} / {self.waves} ({self.task_slots} engines at once)"]
+                 f"  partitions / waves: {self.partitions} / {self.waves} ({self.engines} engines at once)"]
         if self.engine_seconds is not None:
-            wall = self.engine_seconds / self.task_slots
+            wall = self.engine_seconds / self.engines
             lines.append(f"  engine time:        at most {self.engine_seconds:.0f} engine-seconds, about {wall:.0f} s "
-                         f"with {self.task_slots} engines, at {self.tokens_per_second:.0f} tokens/s per engine "
+                         f"with {self.engines} engines, at {self.tokens_per_second:.0f} tokens/s per engine "
                          f"({self.tokens_per_second_source})")
         else:
             lines.append("  engine time:        unknown: pass --tokens-per-second, or run a batch first (its "
@@ -101,8 +102,16 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
                  F.sum("est_tokens").alias("est")).collect())  # a row per model and error code: metadata
     groups = [Group(r["model"], r["error_code"], int(r["n"]), int(r["prompt"] or 0), int(r["est"] or 0))
               for r in rows]
-    return _plan(groups, models, lambda m: task_slots(spark, m.num_task_slots, m.tensor_parallel_size),
+    conf = spark_conf(spark)
+    return _plan(groups, models, lambda m: layout_of(m, conf, lambda: default_parallelism(spark)),
                  tokens_per_second, source)
+
+
+def layout_of(cfg: BatchConfig, conf: Mapping[str, str], parallelism: Callable[[], int]) -> EngineLayout:
+    """The engines a run of model ``cfg`` would use in a session with settings ``conf``."""
+    return engine_layout(conf, engines=cfg.num_task_slots, tasks_per_engine=cfg.tasks_per_engine,
+                         tensor_parallel_size=cfg.tensor_parallel_size, parallelism=parallelism,
+                         local_threads=local_task_threads(conf))
 
 
 #: Largest input the dry run reads in its own process (:func:`plan_local`); a larger one is planned on Spark,
@@ -110,12 +119,12 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
 LOCAL_PLAN_BYTES = 64 << 20
 
 
-def plan_local(config: BatchConfig, master: Optional[str] = None,
-               tokens_per_second: Optional[float] = None) -> BatchPlan:
+def plan_local(config: BatchConfig, master: Optional[str] = None, tokens_per_second: Optional[float] = None,
+               settings: Optional[Mapping[str, str]] = None) -> BatchPlan:
     """:func:`plan_batch` for JSONL files on this machine, in this process: the same reading, validation, duplicate
     and token-counting rules over pandas, without starting Spark (a cold JVM costs more than the work of a small
-    batch). ``master``: the local master a run would use (its task slots). The tokens/s figure of earlier runs
-    comes from the last batch.json in the output directory."""
+    batch). ``master`` and ``settings``: the local master and the session settings (the config's ``spark:``) a run
+    would use. The tokens/s figure of earlier runs comes from the last batch.json in the output directory."""
     from .prepare import local_groups
 
     models = _models(config)
@@ -123,9 +132,12 @@ def plan_local(config: BatchConfig, master: Optional[str] = None,
     if tokens_per_second is None and models[0].output_dir:
         tokens_per_second = _batch_json_tokens_per_second(RunPaths.from_config(models[0]).batch_file)
         source = "measured by earlier runs"
-    cores = local_cores(master or "local[2]")
+    conf = {**LOCAL_DEFAULTS, **dict(settings or {}), "spark.master": master or "local[2]"}
+    threads = local_cores(conf["spark.master"])
     groups = [Group(**g) for g in local_groups(models)]
-    return _plan(groups, models, lambda m: m.num_task_slots or cores, tokens_per_second, source)
+    return _plan(groups, models, lambda m: layout_of(m, conf, lambda: int(conf.get("spark.default.parallelism")
+                                                                         or threads)),
+                 tokens_per_second, source)
 
 
 def local_input_bytes(config: BatchConfig) -> Optional[int]:
@@ -165,7 +177,7 @@ def _models(config: BatchConfig) -> tuple[BatchConfig, ...]:
     return models
 
 
-def _plan(groups: list[Group], models: tuple[BatchConfig, ...], slots_of: Callable[[BatchConfig], int],
+def _plan(groups: list[Group], models: tuple[BatchConfig, ...], layout: Callable[[BatchConfig], EngineLayout],
           tokens_per_second: Optional[float], source: str) -> BatchPlan:
     """The plan from the prepared rows' groups: each model is planned and run on its own (waves.infer_models)."""
     errors: dict[str, int] = {}
@@ -180,11 +192,11 @@ def _plan(groups: list[Group], models: tuple[BatchConfig, ...], slots_of: Callab
     for model in models:
         g = valid.get(model.served_model_name)
         if g is not None:
-            slots = slots_of(model)
-            parts = num_partitions(g.est_tokens, model.target_tokens_per_partition, slots)
+            tasks = layout(model).tasks
+            parts = num_partitions(g.est_tokens, model.target_tokens_per_partition, tasks)
             partitions += parts
-            waves += math.ceil(parts / (model.wave_partitions or 2 * slots))
+            waves += math.ceil(parts / (model.wave_partitions or 2 * tasks))
     return BatchPlan(lines=requests + sum(errors.values()), requests=requests, errors_by_code=errors,
                      prompt_tokens=prompt, max_output_tokens=est - prompt, partitions=partitions,
-                     task_slots=slots_of(models[0]), waves=waves, tokens_per_second=tokens_per_second,
+                     engines=layout(models[0]).engines, waves=waves, tokens_per_second=tokens_per_second,
                      tokens_per_second_source=source if tokens_per_second else "")

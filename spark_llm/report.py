@@ -123,8 +123,8 @@ def batch_records(run: RunContext) -> list[dict]:
         return []
     rows = (storage.read_table(run.spark, run.paths.metrics_table).where(F.col("batch_id") == run.batch_id)
             .orderBy("started_at").collect())
-    return [{**r.asDict(), "started_at": r["started_at"].timestamp(), "finished_at": r["finished_at"].timestamp()}
-            for r in rows]
+    times = ("started_at", "finished_at", "engine_started_at", "engine_finished_at")
+    return [{**r.asDict(), **{t: r[t].timestamp() for t in times if t in r and r[t] is not None}} for r in rows]
 
 
 def write_failed_batch(run: RunContext, exc: BaseException) -> None:

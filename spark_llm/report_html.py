@@ -13,6 +13,8 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from .metrics import engine_usage
+
 PLOTS = ("prompt-length histogram", "estimated tokens per partition", "throughput per partition",
          "timeline of partitions")
 
@@ -76,17 +78,38 @@ def _plots(histogram: list[tuple[int, int]], plan: dict, metrics: list[dict]) ->
     fig, ax = _figure()
     if metrics:
         t0 = min(m["started_at"] for m in metrics)
-        workers = sorted({m["worker_pid"] for m in metrics})
-        for m in metrics:
-            y = workers.index(m["worker_pid"])
-            ax.barh(y, m["finished_at"] - m["started_at"], left=m["started_at"] - t0, color="#8172b2",
-                    edgecolor="white")
-            ax.text(m["started_at"] - t0, y, f" p{m['partition']}", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(len(workers)), [f"pid {w}" for w in workers])
+        lanes = engine_lanes(metrics)
+        for y, (_, spans) in enumerate(lanes):
+            for m, start, end in spans:
+                ax.barh(y, end - start, left=start - t0, color="#8172b2", edgecolor="white")
+                ax.text(start - t0, y, f" p{m['partition']}", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(len(lanes)), [label for label, _ in lanes])
     ax.set_xlabel("seconds since the first partition started")
-    ax.set_title("Timeline of partitions")
+    ax.set_title("Timeline of partitions per engine (each feeding task in a lane)")
     out[PLOTS[3]] = _png(fig)
     return out
+
+
+def engine_lanes(metrics: list[dict]) -> list[tuple[str, list[tuple[dict, float, float]]]]:
+    """The partitions of each engine as lanes of the timeline: a partition's span in its engine (from its first
+    request in to its last answer out; its task's start and end for records without them), in the first lane of
+    its engine that is free by then, so the partitions that fed an engine at once sit in lanes one under another."""
+    lanes: list[tuple[str, list]] = []
+    by_engine: dict[tuple, list[tuple[dict, float, float]]] = {}
+    for m in metrics:
+        start, end = m.get("engine_started_at") or m["started_at"], m.get("engine_finished_at") or m["finished_at"]
+        by_engine.setdefault((str(m.get("engine_slot")), m.get("engine_pid")), []).append((m, start, end))
+    for (slot, pid), spans in sorted(by_engine.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        mine: list[list] = []
+        for span in sorted(spans, key=lambda s: s[1]):
+            lane = next((ln for ln in mine if ln[-1][2] <= span[1]), None)
+            if lane is None:
+                mine.append([span])
+            else:
+                lane.append(span)
+        lanes.extend((f"{slot} pid {pid}" + (f" #{n + 1}" if len(mine) > 1 else ""), lane)
+                     for n, lane in enumerate(mine))
+    return lanes
 
 
 MODEL_COLUMNS = ("model", "partitions", "requests", "prompt tokens", "completion tokens", "engine seconds",
@@ -102,7 +125,7 @@ def _model_rows(metrics: list[dict]) -> list[tuple]:
     for model, recs in groups.items():
         prompt = sum(int(r["prompt_tokens"] or 0) for r in recs)
         completion = sum(int(r["completion_tokens"] or 0) for r in recs)
-        engine_s = sum(float(r["engine_seconds"] or 0) for r in recs)
+        engine_s = engine_usage(recs)["engine_seconds"]  # each engine's spans united: two tasks feed it at once
         rows.append((model, len(recs), sum(int(r["rows"]) for r in recs), prompt, completion, round(engine_s, 1),
                      round((prompt + completion) / engine_s) if engine_s else "-",
                      sum(1 for r in recs if r["engine_load_seconds"] > 0)))
@@ -126,8 +149,8 @@ def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], e
         ("inference wall time (all runs)", f"{inference_wall:.1f} s" if inference_wall else "-"),
         ("throughput (inference wall)",
          f"{usage['total_tokens'] / inference_wall:.1f} tokens/s" if inference_wall else "-"),
-        ("engine time (sum over partitions)", f"{plan.get('engine_seconds', 0.0):.1f} s"),
-        ("engine busy fraction (engine time / (slots x inference wall))", f"{busy:.1%}" if busy is not None else "-"),
+        ("engine busy time (each engine's partition spans, united)", f"{plan.get('engine_seconds', 0.0):.1f} s"),
+        ("engine busy fraction (busy time / (engines x inference wall))", f"{busy:.1%}" if busy is not None else "-"),
         ("prefix-cache hit rate (cached / prompt tokens)",
          f"{plan['prefix_cache_hit_rate']:.1%}" if plan.get("prefix_cache_hit_rate") is not None else "-"),
         ("partitions that waited for an engine load", sum(1 for m in metrics if m["engine_load_seconds"] > 0)),

@@ -115,7 +115,8 @@ EMBEDDINGS_STATS = ("id", "custom_id", "input_index", "created_at")
 METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "batch_id": (S, "Batch the partition belongs to"),
     "run_id": (S, "Run of the batch (a --resume run is a new run) that inferred the partition"),
-    "task_slots": (L, "Inference task slots (engines) the run planned for; busy_fraction's denominator"),
+    "task_slots": (L, "Inference tasks that ran at once, as the run planned (engines x tasks_per_engine)"),
+    "engines": (L, "Engines the run planned for; busy_fraction's denominator"),
     "wave": (L, "Wave (Delta commit) number, from 1"),
     "partition": (L, "Planned partition index (numbered across the run's models)"),
     "model": (S, "Served name of the model the partition ran on (a batch may have several: see models)"),
@@ -131,7 +132,11 @@ METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "engine_deaths": (L, "Engine deaths while the partition ran, earlier attempts' included (see quarantine.py)"),
     "engine_load_seconds": (T.DoubleType(), "Seconds the task waited for its engine to load (0 when it was "
                                            "ready: loaded by the warm-up or an earlier task)"),
-    "engine_seconds": (T.DoubleType(), "Seconds inside the engine's generate call"),
+    "engine_seconds": (T.DoubleType(), "Seconds the partition's requests were in the engine (its streamed call; "
+                                       "the slot's other feeder may have been in it too)"),
+    "engine_started_at": (T.TimestampType(), "When the partition's first requests went to the engine"),
+    "engine_finished_at": (T.TimestampType(), "When its last answer came back; the union of these spans per "
+                                              "engine is the engine's busy time"),
     "tokens_per_second": (T.DoubleType(), "(prompt + generated tokens) / engine_seconds"),
     "errors_by_code": (S, "JSON object: error code -> count in this partition"),
     "started_at": (T.TimestampType(), "When the task started"),

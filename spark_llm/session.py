@@ -259,6 +259,16 @@ def is_local_master(spark_conf: Mapping[str, str]) -> bool:
     return re.fullmatch(r"local(\[[^\]]*\])?", spark_conf.get("spark.master", "").strip()) is not None
 
 
+def local_task_threads(spark_conf: Mapping[str, str]) -> Optional[int]:
+    """The task threads of a local master (``local[N]``, ``local[N,F]``, ``local[*]``: the host's cores;
+    ``local``: 1), else None."""
+    match = re.fullmatch(r"local(?:\[([^,\]]*)(?:,[^\]]*)?\])?", spark_conf.get("spark.master", "").strip())
+    if match is None:
+        return None
+    threads = (match.group(1) or "1").strip()
+    return os.cpu_count() or 1 if threads == "*" else int(threads) if threads.isdigit() else None
+
+
 @contextlib.contextmanager
 def scheduler_pool(spark: SparkSession, name: str) -> Iterator[None]:
     """The block's Spark jobs (this thread's) in the fair scheduler's pool ``name``, the thread's pool restored

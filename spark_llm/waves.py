@@ -30,12 +30,12 @@ from . import faults, storage, write
 from .background import SparkJobInBackground
 from .context import RunContext
 from .config import config_view
-from .engine import EngineSpec, has_gpus
+from .engine import EngineSpec, has_gpus, inference_profile
 from .engine_service import Executor, ProcessSettings, Slot, prestart
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, prestart_partition, warm_partition
 from .metrics import ProgressReporter, progress_line
-from .partition import PART_COL, PartitionPlan, materialize, plan_partitions, task_slots
+from .partition import PART_COL, PartitionPlan, materialize, plan_partitions
 from .prepare import Outcomes
 from .schemas import RESULT_SCHEMA
 from .session import (FIRST_POOL, WAVES_POOL, is_connect, is_local_master, jvm_pid, local_worker_env, scheduler_pool,
@@ -113,12 +113,14 @@ class EngineWarmup(_EngineJob):
     def _load(self) -> None:
         run = self.run
         run.describe("load the engines")
-        slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
+        engines = run.layout.engines
         ictx = _infer_context(run, Numbering())
         body = warm_partition if self.blocking else prestart_partition
-        started = (run.spark.range(0, slots, 1, numPartitions=slots)
+        # a task per engine, each on whole GPUs: shares of a GPU would put two of them on one engine
+        profile = inference_profile(spark_conf(run.spark), run.cfg.tensor_parallel_size)
+        started = (run.spark.range(0, engines, 1, numPartitions=engines)
                    .mapInPandas(lambda it: body(it, ictx), "slot string, started boolean",
-                                profile=run.gpu_profile).collect())  # one small row per engine slot
+                                profile=profile).collect())  # one small row per engine
         names = ", ".join(sorted(r["slot"] for r in started))
         if self.blocking:
             log.info("batch %s: engines ready on %s", run.batch_id, names)
@@ -162,14 +164,11 @@ def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
 
 
 def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
-    conf = spark_conf(run.spark)
-    local_cpu = is_local_master(conf) and not has_gpus(conf)
     return InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
                         batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics,
                         journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
-                        partition_offset=numbering.partitions,
-                        cpu_slots=task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
-                        if local_cpu else None)
+                        partition_offset=numbering.partitions, cpu_slots=run.layout.cpu_slots,
+                        feeds=run.layout.feeds)
 
 
 @dataclass(frozen=True)
@@ -209,6 +208,7 @@ def merged_plan(plans: dict[str, dict]) -> dict:
     tokens = [t for p in plans.values() for t in p["tokens_per_partition"]]
     mean = sum(tokens) / len(tokens) if tokens else 0
     return {"num_partitions": len(tokens), "task_slots": max(p["task_slots"] for p in plans.values()),
+            "engines": max(p["engines"] for p in plans.values()),
             "total_estimated_tokens": sum(p["total_estimated_tokens"] for p in plans.values()),
             "target_tokens_per_partition": next(iter(plans.values()))["target_tokens_per_partition"],
             "tokens_per_partition": tokens,
@@ -226,14 +226,14 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     runs, so no engine waits for the slowest partition of a wave; when wave k ends, wave k+2 is submitted and wave
     k's commit starts in the background, so the engines always have the next wave while earlier ones commit.
     Commits stay one at a time and in wave order; a crash loses at most the waves not yet committed."""
-    slots = task_slots(run.spark, run.cfg.num_task_slots, run.cfg.tensor_parallel_size)
+    layout = run.layout
     if warmup is not None:
         warmup.wait()
     run.describe("plan partitions")
-    plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=slots,
-                           prefix_aware=run.cfg.prefix_aware_partitions)
+    plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=layout.tasks,
+                           prefix_aware=run.cfg.prefix_aware_partitions, engines=layout.engines)
     ictx = _infer_context(run, numbering)
-    waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * slots, numbering.waves)
+    waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * layout.tasks, numbering.waves)
     current = {"wave": f"{numbering.waves}/{waves[-1].of}"}
     total = sum(plan.requests_per_partition)
     committed: list[dict] = []  # partition records of the committed waves
@@ -329,7 +329,7 @@ def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[
     if got.rows != planned:  # the conservation check: one result per planned request
         raise RuntimeError(f"wave {wave.label}: {got.rows} results for {planned} planned requests; nothing of this "
                            f"wave was committed, rerun with --resume")
-    write.commit_wave(run, staged, got.ok, got.errors, records, plan.task_slots)
+    write.commit_wave(run, staged, got.ok, got.errors, records, plan)
     log.info("batch %s: wave %s committed (%d partitions)", run.batch_id, wave.label, wave.count)
     faults.maybe_exit_after_wave(wave.number)
     return records

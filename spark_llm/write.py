@@ -24,6 +24,7 @@ from .background import SparkJobInBackground
 from .config import ConfigError
 from .context import RunContext
 from .errors import ErrorCode
+from .partition import PartitionPlan
 from .schemas import (EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS, ERRORS_COLUMNS, ERRORS_STATS, METRICS_COLUMNS,
                       OUTPUTS_COLUMNS, OUTPUTS_STATS, json_string)
 
@@ -137,7 +138,7 @@ def insert_errors_meanwhile(run: RunContext, rows: DataFrame) -> RunContext:
 
 
 def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int, records: list[dict],
-                task_slots: int) -> None:
+                plan: PartitionPlan) -> None:
     """One wave's inference results (``responses`` + ``errors`` rows) into their tables and its partitions' records
     into the metrics table: one write per table (none for a table that gets no rows), all at once, since writes
     of different tables do not conflict."""
@@ -152,7 +153,7 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
     if errors:
         writes.append(lambda: insert_errors(run, error_rows(results, run)))
     if records:
-        writes.append(lambda: commit_metrics(run, records, task_slots))
+        writes.append(lambda: commit_metrics(run, records, plan))
     others = [SparkJobInBackground(run.spark, f"spark_llm-commit-{n}", w) for n, w in enumerate(writes[1:])]
     try:
         if writes:
@@ -162,11 +163,12 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
             other.wait()
 
 
-def commit_metrics(run: RunContext, records: list[dict], task_slots: int) -> None:
+def commit_metrics(run: RunContext, records: list[dict], plan: PartitionPlan) -> None:
     """A committed wave's partition records (one small row each) into the metrics table, so that the table, the
     report and batch.json describe every run of the batch, including one that crashed after this wave."""
-    storage.append_records(run.spark, [{**r, "batch_id": run.batch_id, "run_id": run.run_id, "task_slots": task_slots}
-                                       for r in records], run.paths.metrics_table, METRICS_COLUMNS)
+    layout = {"batch_id": run.batch_id, "run_id": run.run_id, "task_slots": plan.task_slots,
+              "engines": plan.engines or plan.task_slots}
+    storage.append_records(run.spark, [{**r, **layout} for r in records], run.paths.metrics_table, METRICS_COLUMNS)
 
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------

@@ -59,8 +59,9 @@ def spark(tmp_path_factory, kill_marker, engine_dir, model_cache):
     os.environ[ENGINE_DIR_ENV] = str(engine_dir)
     os.environ[MODEL_CACHE_ENV] = str(model_cache)
     warehouse = tmp_path_factory.mktemp("warehouse")
-    # local[2]: two task slots; get_session gives a local master the task retries the quarantine needs
-    session = get_session(master="local[2]", conf={
+    # local[4]: four task threads, so that each of the two engines (num_task_slots=2) is fed by two tasks at once;
+    # get_session gives a local master the task retries the quarantine needs
+    session = get_session(master="local[4]", conf={
         "spark.ui.enabled": "false",
         "spark.sql.shuffle.partitions": "2",
         "spark.sql.warehouse.dir": str(warehouse),
@@ -180,7 +181,7 @@ def shared_run(spark, tiny_model, tmp_path_factory, kill_marker) -> SharedRun:
 
 @pytest.fixture(scope="session")
 def connect_run(tiny_model, tmp_path_factory) -> SharedRun:
-    """The shared run's input and settings again, over Spark Connect: ``spark-llm run --remote local[2]`` starts a
+    """The shared run's input and settings again, over Spark Connect: ``spark-llm run --remote local[4]`` starts a
     local Connect server with Delta in a process of its own (a Connect client cannot share this test process with
     the classic session), so no SparkContext, JVM or accumulator is on the driver's side."""
     import subprocess
@@ -205,7 +206,7 @@ def connect_run(tiny_model, tmp_path_factory) -> SharedRun:
     marker = root / "killed.marker"
     env = {**os.environ, FAULT_ENV: os.environ[FAULT_ENV].replace(
         os.environ[FAULT_ENV].split(";")[0], f"kill_worker_once:{marker}:{KILL_CUSTOM_ID}")}
-    proc = subprocess.run([sys.executable, "-m", "spark_llm.cli", "run", "--remote", "local[2]", "--config",
+    proc = subprocess.run([sys.executable, "-m", "spark_llm.cli", "run", "--remote", "local[4]", "--config",
                            str(config)], env=env, capture_output=True, text=True, timeout=1800, cwd=root)
     assert proc.returncode == 0, proc.stderr[-6000:]
     paths = RunPaths.from_config(BatchConfig(**settings))

@@ -193,7 +193,8 @@ def test_batch_object(spark, run):
     plan = batch["partition_plan"]
     # every request that reached the engine was planned: the completed ones, the one the engine rejected and the two
     # poison requests
-    assert plan["num_partitions"] == 2 and sum(plan["requests_per_partition"]) == result.completed + 3
+    assert plan["num_partitions"] == plan["task_slots"] == 4 and plan["engines"] == 2  # two engines, two tasks each
+    assert sum(plan["requests_per_partition"]) == result.completed + 3
 
 
 def test_non_empty_output_dir_is_refused(spark, run, tiny_model):
@@ -216,11 +217,23 @@ def test_metrics_table_agrees_with_the_outputs(spark, run):
     assert sum(m["completion_tokens"] for m in metrics) == outs[1] == result.batch.usage.output_tokens
     assert sum(json.loads(m["errors_by_code"]).get("engine_error", 0) for m in metrics) == 3  # 1 rejected, 2 poison
     assert all(m["engine_seconds"] > 0 and m["finished_at"] >= m["started_at"] for m in metrics)
-    # busy fraction: engine seconds over (task slots x the run's inference wall), one run
+    # busy fraction: the time each engine had requests of some partition, over (engines x the run's inference
+    # wall), one run; counted here on a 10 ms grid
     assert len({m["run_id"] for m in metrics}) == 1 and {m["task_slots"] for m in metrics} == {plan["task_slots"]}
-    wall = max(m["finished_at"] for m in metrics).timestamp() - min(m["started_at"] for m in metrics).timestamp()
-    busy = sum(m["engine_seconds"] for m in metrics) / (plan["task_slots"] * wall)
-    assert plan["runs"] == 1 and plan["busy_fraction"] == pytest.approx(busy, abs=1e-3) and 0 < busy <= 1
+    assert {m["engines"] for m in metrics} == {plan["engines"]} and plan["task_slots"] % plan["engines"] == 0
+    assert all(m["engine_started_at"] <= m["engine_finished_at"] for m in metrics)
+    start = min(m["started_at"] for m in metrics).timestamp()
+    wall = max(m["finished_at"] for m in metrics).timestamp() - start
+    busy_ticks = 0
+    for engine in {(m["engine_slot"], m["engine_pid"]) for m in metrics}:
+        ticks = set()
+        for m in metrics:
+            if (m["engine_slot"], m["engine_pid"]) == engine:
+                ticks.update(range(round((m["engine_started_at"].timestamp() - start) * 100),
+                                   round((m["engine_finished_at"].timestamp() - start) * 100)))
+        busy_ticks += len(ticks)
+    busy = busy_ticks / 100 / (plan["engines"] * wall)
+    assert plan["runs"] == 1 and plan["busy_fraction"] == pytest.approx(busy, abs=5e-3) and 0 < busy <= 1
     assert f"engines busy {plan['busy_fraction']:.1%}" in result.summary()
     # the engines' prefix-cache counts: per partition in the table, per request in the bodies, the same total
     details = [json.loads(r["response_body"])["usage"] for r in outputs_df(spark, result).collect()]
@@ -238,7 +251,7 @@ def test_report_html_has_the_summary_and_plots(run):
     invalid_json = sum(1 for outcome in expected.values() if outcome == "invalid_json")
     assert "<td>engine_error</td><td>3</td>" in page and f"<td>invalid_json</td><td>{invalid_json}</td>" in page
     busy = result.batch.partition_plan["busy_fraction"]
-    assert f"<th>engine busy fraction (engine time / (slots x inference wall))</th><td>{busy:.1%}</td>" in page
+    assert f"<th>engine busy fraction (busy time / (engines x inference wall))</th><td>{busy:.1%}</td>" in page
 
 
 def test_progress_line_in_driver_log(run, session_run):
@@ -311,7 +324,7 @@ def test_the_local_dry_run_plans_what_the_spark_one_does(spark, shared_run, tiny
 
     cfg = BatchConfig(input=str(shared_run.root / "input"), output_dir=str(tmp_path / "none"),
                       **engine_settings(tiny_model))
-    assert plan_local(cfg, "local[2]", tokens_per_second=100.0) == plan_batch(spark, cfg, tokens_per_second=100.0)
+    assert plan_local(cfg, "local[4]", tokens_per_second=100.0) == plan_batch(spark, cfg, tokens_per_second=100.0)
 
 
 def test_spark_llm_plan_of_a_local_file_starts_no_jvm_and_imports_no_vllm(shared_run, tiny_model, tmp_path):

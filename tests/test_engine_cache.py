@@ -1,5 +1,6 @@
-"""One engine per slot (here: the two CPU slots of local[2]), in its own process, reused across tasks, jobs and
-Python workers; greedy decoding gives the same token ids every time. Asserted from the engines' own records."""
+"""One engine per slot (here: the two CPU slots of the test session, each fed by two of its four task threads), in
+its own process, reused across tasks, jobs and Python workers; greedy decoding gives the same token ids every time.
+Asserted from the engines' own records."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def probe(spec: EngineSpec, prompt_ids: list[int]):
         from spark_llm.engine_service import ProcessSettings, engine_for
 
         for pdf in batches:
-            with engine_for(spec, None, ProcessSettings(engine_idle_timeout_seconds=0,
-                                                        engine_log_level="WARNING")) as engine:
+            with engine_for(spec, None, ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING"),
+                            cpu_slots=2, feeds=2) as engine:
                 [out] = engine.generate([(prompt_ids, {"max_tokens": 6, "temperature": 0}, {})])
             yield pd.DataFrame({"worker": [os.getpid()], "slot": [engine.slot.name], "engine": [engine.info["pid"]],
                                 "tokens": [",".join(map(str, out.outputs[0].token_ids))], "rows": [len(pdf)]})

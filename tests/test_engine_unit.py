@@ -30,18 +30,65 @@ def test_select_gpus_rejects_a_mismatch_with_tensor_parallel_size():
         select_gpus(gpus("0"), 2)
 
 
-def test_gpu_slots_are_named_by_their_devices(tmp_path, monkeypatch):
-    from spark_llm.engine_service import ENGINE_DIR_ENV, Slot, hold_slot
+def test_gpu_slots_are_named_by_their_devices_and_fed_by_up_to_their_feeds(tmp_path, monkeypatch):
+    import threading
+
+    from spark_llm.engine_service import ENGINE_DIR_ENV, Slot, hold_feed
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
     assert Slot.for_gpus(["1", "0"]) == Slot("gpu-0,1", ("0", "1")) and Slot.for_gpus(["10", "9"]).devices == ("9", "10")
-    with hold_slot(["3"]) as slot:
-        assert slot == Slot("gpu-3", ("3",))
-        with pytest.raises(EngineStartError, match="in use by another Spark task"):
-            with hold_slot(["3"]):
-                pass
-    with hold_slot(None) as a, hold_slot(None) as b:  # without GPUs: the free CPU slots of this executor
-        assert a.name.startswith("cpu-") and a.name.endswith("-0") and b.name.endswith("-1")
+    with hold_feed(["3"], feeds=2) as a, hold_feed(["3"], feeds=2) as b:  # two tasks share GPU 3's engine
+        assert a.slot == b.slot == Slot("gpu-3", ("3",)) and {a.index, b.index} == {0, 1}
+        third = threading.Thread(target=lambda: hold_feed(["3"], feeds=2).__enter__(), daemon=True)
+        third.start()
+        third.join(0.5)
+        assert third.is_alive()  # a third task waits for a feed
+    third.join(5)
+    assert not third.is_alive()
+
+
+def test_without_gpus_tasks_take_every_engine_s_first_feed_before_a_second_one(tmp_path, monkeypatch):
+    from spark_llm.engine_service import ENGINE_DIR_ENV, hold_feed
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    with hold_feed(None, cpu_slots=2, feeds=2) as a, hold_feed(None, cpu_slots=2, feeds=2) as b, \
+            hold_feed(None, cpu_slots=2, feeds=2) as c:
+        assert [(f.slot.name[-2:], f.index) for f in (a, b, c)] == [("-0", 0), ("-1", 0), ("-0", 1)]
+    with hold_feed(None) as a, hold_feed(None) as b:  # unbounded: an engine per running task
+        assert a.slot.name.endswith("-0") and b.slot.name.endswith("-1") and a.index == b.index == 0
+
+
+def test_a_task_alone_on_its_engine_waits_for_the_other_feeder_and_keeps_new_ones_out(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from spark_llm.engine_service import ENGINE_DIR_ENV, hold_feed
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    events = []
+    with hold_feed(None, cpu_slots=1, feeds=2) as isolating:
+        other = hold_feed(None, cpu_slots=1, feeds=2)
+        other.__enter__()
+
+        def go_alone() -> None:
+            with isolating.alone():
+                events.append("alone")
+                time.sleep(0.3)
+            events.append("shared again")
+        t = threading.Thread(target=go_alone)
+        t.start()
+        time.sleep(0.3)
+        assert events == []  # the other feeder's partition is still in the engine
+        other.__exit__(None, None, None)
+        time.sleep(0.1)
+        assert events == ["alone"]
+        late = threading.Thread(target=lambda: events.append(hold_feed(None, cpu_slots=1, feeds=2).__enter__().index))
+        late.start()
+        time.sleep(0.1)
+        assert events == ["alone"]  # no new feeder while a task is alone on the engine
+        t.join()
+        late.join(5)
+        assert events[:2] == ["alone", "shared again"] and events[2] in (0, 1)
 
 
 def test_a_local_driver_starts_its_executor_s_engines_with_the_environment_its_python_workers_would_have(
@@ -143,12 +190,15 @@ def test_generate_isolating_reraises_fatal_errors():
         generate_isolating(generate, ["a", "b"], [None, None], is_fatal=lambda e: isinstance(e, Dead))
 
 
-def test_gpu_settings_must_give_each_task_one_engines_gpus():
+def test_gpu_settings_must_give_each_task_one_engines_gpus_or_a_share_of_one_gpu():
     check_gpu_settings({}, 1)
     check_gpu_settings({"spark.task.resource.gpu.amount": "2"}, 2)
     check_gpu_settings({"spark.executor.resource.gpu.amount": "8"}, 2)
-    with pytest.raises(ConfigError, match="two engines on one GPU"):
-        check_gpu_settings({"spark.task.resource.gpu.amount": "0.5"}, 1)
+    check_gpu_settings({"spark.task.resource.gpu.amount": "0.5"}, 1)  # two tasks feeding one GPU's engine
+    with pytest.raises(ConfigError, match="1/N of it"):
+        check_gpu_settings({"spark.task.resource.gpu.amount": "0.3"}, 1)
+    with pytest.raises(ConfigError, match="tensor_parallel_size is 2"):
+        check_gpu_settings({"spark.task.resource.gpu.amount": "0.5"}, 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size is 4"):
         check_gpu_settings({"spark.task.resource.gpu.amount": "1"}, 4)
     with pytest.raises(ConfigError, match="executors have 2 GPU.*one engine's GPUs must be on one executor"):
@@ -157,13 +207,51 @@ def test_gpu_settings_must_give_each_task_one_engines_gpus():
         check_gpu_settings({"spark.executor.resource.gpu.amount": "1", "spark.executor.pyspark.memory": "4g"}, 1)
 
 
-def test_only_the_inference_stage_asks_for_gpus():
+def test_only_the_inference_stage_asks_for_gpus_a_share_of_one_when_tasks_feed_one_engine():
     assert inference_profile({}, 1) is None
     assert inference_profile({"spark.executor.resource.gpu.amount": "4", "spark.task.resource.gpu.amount": "1"},
                              1) is None  # every stage asks already
     profile = inference_profile({"spark.executor.resource.gpu.amount": "4", "spark.task.cpus": "2"}, 2)
     tasks = profile.taskResources
     assert tasks["gpu"].amount == 2 and tasks["cpus"].amount == 2
+    assert inference_profile({"spark.executor.resource.gpu.amount": "4"}, 1, feeds=2).taskResources["gpu"].amount == 0.5
+    assert inference_profile({"spark.executor.resource.gpu.amount": "4"}, 2, feeds=2).taskResources["gpu"].amount == 2
+
+
+def layout(conf, engines=None, tasks_per_engine=2, tp=1, parallelism=2, threads=None):
+    from spark_llm.engine import engine_layout
+
+    return engine_layout(conf, engines=engines, tasks_per_engine=tasks_per_engine, tensor_parallel_size=tp,
+                         parallelism=lambda: parallelism, local_threads=threads)
+
+
+def test_the_engine_layout_counts_engines_and_the_tasks_that_feed_each():
+    from spark_llm.engine import EngineLayout
+
+    gpu = {"spark.executor.resource.gpu.amount": "8", "spark.executor.instances": "4"}
+    assert layout(gpu) == EngineLayout(32, 2)  # 4 executors x 8 GPUs, two tasks per GPU
+    assert layout({**gpu, "spark.executor.cores": "16"}) == EngineLayout(32, 2)
+    # 8 engines x 2 tasks x 2 cpus do not fit 16 cores: Spark would pack the tasks two to a GPU and idle the rest
+    assert layout({**gpu, "spark.executor.cores": "16", "spark.task.cpus": "2"}) == EngineLayout(32, 1)
+    assert layout(gpu, tp=2) == EngineLayout(16, 1)  # a tensor-parallel group is fed by one task
+    assert layout({**gpu, "spark.task.resource.gpu.amount": "0.25"}) == EngineLayout(32, 4)  # the user's share
+    assert layout({**gpu, "spark.task.resource.gpu.amount": "1"}) == EngineLayout(32, 1)
+    assert layout(gpu, tasks_per_engine=1).tasks == 32
+    # a local master: the engines share its cores, each fed by as many of its task threads as there are
+    assert layout({"spark.master": "local[4,8]"}, threads=4) == EngineLayout(2, 2, cpu_slots=2)
+    assert layout({"spark.master": "local[2,8]"}, threads=2) == EngineLayout(2, 1, cpu_slots=2)
+    assert layout({"spark.master": "local[4,8]"}, engines=1, tasks_per_engine=4, threads=4) == \
+        EngineLayout(1, 4, cpu_slots=1)
+    assert layout({"spark.master": "yarn"}, parallelism=6) == EngineLayout(6, 1)  # no GPUs: an engine per task
+
+
+def test_local_task_threads_are_read_from_the_master():
+    from spark_llm.session import local_task_threads
+
+    assert local_task_threads({"spark.master": "local[4,8]"}) == 4
+    assert local_task_threads({"spark.master": "local"}) == 1
+    assert local_task_threads({"spark.master": "local[*]"}) >= 1
+    assert local_task_threads({"spark.master": "spark://host:7077"}) is None
 
 
 # ---- the streamed engine call, against a stand-in for vLLM's LLM (the real protocol and server loop) ---------
@@ -171,11 +259,15 @@ def test_only_the_inference_stage_asks_for_gpus():
 class FakeLLM:
     """What the engine server uses of ``vllm.LLM``: ``enqueue`` and the ``llm_engine`` step loop (one request
     finishes per step, last added first), plus ``generate`` for the isolating fallback. Prompts of ``refused``
-    token ids are rejected when added; ``step_fails`` makes the ``n``-th step raise."""
+    token ids are rejected when added; ``step_fails`` makes the ``n``-th step raise ``failure``."""
 
-    def __init__(self, refused=(), step_fails=None):
+    def __init__(self, refused=(), step_fails=None, failure=None, step_seconds=0.0, endless=()):
         self.refused, self.step_fails, self.steps, self.counter = set(refused), step_fails, 0, 0
+        self.endless = set(endless)  # first token ids of requests that never finish (a very long answer)
+        self.failure = failure or RuntimeError("a kernel choked")
+        self.step_seconds = step_seconds
         self.running: dict[str, list[int]] = {}
+        self.max_running = 0
         self.aborted: list[str] = []
         self.llm_engine = self
 
@@ -190,12 +282,17 @@ class FakeLLM:
         return ids
 
     def step(self):
+        import time
+
         self.steps += 1
+        self.max_running = max(self.max_running, len(self.running))
+        time.sleep(self.step_seconds)
         if self.step_fails == self.steps:
-            raise RuntimeError("a kernel choked")
-        if not self.running:
+            raise self.failure
+        finishing = [rid for rid in self.running if self.running[rid][0] not in self.endless]
+        if not finishing:
             return []
-        rid = sorted(self.running, key=int)[-1]
+        rid = sorted(finishing, key=int)[-1]
         return [_output(rid, self.running.pop(rid))]
 
     def abort_request(self, ids, internal=False):
@@ -212,20 +309,42 @@ def _output(rid, ids):
     return SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=ids, outputs=[choice], num_cached_tokens=0)
 
 
+class Serving:
+    """An engine server holding ``fake``, its engine loop running, and clients over real connection pairs."""
+
+    def __init__(self, fake, start_loop=True):
+        import threading
+
+        from spark_llm.engine_server import EngineServer
+        from spark_llm.engine_service import Slot
+
+        self.server = EngineServer(Slot("cpu-test-0"), "key", 0, 0)
+        self.server.engine, self.server.parsers = fake, SimpleNamespace(parse=lambda choice, parse: None)
+        self.stopped: list[tuple[str, int]] = []
+
+        def stop(reason, code=0):  # the real one ends the process: this one never returns either
+            self.stopped.append((reason, code))
+            threading.Event().wait()
+        self.server.stop = stop
+        self.loop = threading.Thread(target=self.server.run, daemon=True)
+        if start_loop:
+            self.loop.start()
+
+    def client(self):
+        import threading
+        from multiprocessing import Pipe
+
+        from spark_llm.engine_service import EngineClient, Feed, Slot
+
+        ours, theirs = Pipe()
+        threading.Thread(target=self.server.handle, args=(theirs,), daemon=True).start()
+        return EngineClient(Feed(Slot("cpu-test-0"), 0, 1), {"pid": 0}, False, _conn=ours)
+
+
 def stream_through(fake, requests):
     """Stream ``requests`` through an engine server holding ``fake``, over a real connection pair."""
-    import threading
-    from multiprocessing import Pipe
-
-    from spark_llm.engine_service import EngineClient, Slot, _Server
-
-    server = _Server(Slot("cpu-test-0"), "key", 0, 0)
-    server.engine, server.parsers = fake, SimpleNamespace(parse=lambda choice, parse: None)
-    ours, theirs = Pipe()
-    threading.Thread(target=server.handle, args=(theirs,), daemon=True).start()
-    client = EngineClient(Slot("cpu-test-0"), {"pid": 0}, False, _conn=ours)
     got: list = []
-    client.stream(requests, lambda i, result: got.append((i, result)))
+    Serving(fake).client().stream(requests, lambda i, result: got.append((i, result)))
     return got
 
 
@@ -254,6 +373,120 @@ def test_when_a_step_fails_the_requests_in_flight_are_answered_by_the_isolating_
     got = dict(stream_through(fake, [request(t) for t in range(10, 16)]))
     assert sorted(got) == list(range(6)) and all(got[i].outputs[0].text == f"t{10 + i}" for i in got)
     assert fake.aborted and not fake.running  # nothing of the call is left in the engine
+
+
+def streams_at_once(serving, calls):
+    """Each list of requests in ``calls`` streamed by a client of its own, at the same time; each one's results."""
+    import threading
+
+    results = [[] for _ in calls]
+    errors: list = [None] * len(calls)
+
+    def run(n: int) -> None:
+        try:
+            serving.client().stream(calls[n], lambda i, r: results[n].append((i, r)))
+        except Exception as exc:
+            errors[n] = exc
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(len(calls))]
+    for t in threads:
+        t.start()
+    return threads, results, errors
+
+
+def until(condition, seconds=10.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def wait_for_inbox(server, items):
+    until(lambda: server.inbox.qsize() >= items)
+
+
+def test_two_tasks_feed_one_engine_at_once_and_each_gets_exactly_its_own_answers():
+    fake = FakeLLM()
+    serving = Serving(fake, start_loop=False)
+    a, b = [request(t) for t in range(10, 15)], [request(t) for t in range(50, 55)]
+    threads, results, errors = streams_at_once(serving, [a, b])
+    wait_for_inbox(serving.server, 2)  # both tasks' requests arrived before the engine runs a step
+    serving.loop.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [None, None]
+    assert fake.max_running == 10  # the engine's batch held both tasks' requests
+    assert {i: r.outputs[0].text for i, r in results[0]} == {i: f"t{10 + i}" for i in range(5)}
+    assert {i: r.outputs[0].text for i, r in results[1]} == {i: f"t{50 + i}" for i in range(5)}
+    assert not fake.running and not serving.server.streams
+
+
+def test_a_failed_step_isolates_both_tasks_requests_and_answers_each_its_own():
+    fake = FakeLLM(step_fails=1)
+    serving = Serving(fake, start_loop=False)
+    threads, results, errors = streams_at_once(serving, [[request(t) for t in range(10, 13)],
+                                                         [request(t) for t in range(50, 53)]])
+    wait_for_inbox(serving.server, 2)
+    serving.loop.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [None, None] and len(fake.aborted) == 6
+    assert sorted(r.outputs[0].text for _, r in results[0]) == ["t10", "t11", "t12"]
+    assert sorted(r.outputs[0].text for _, r in results[1]) == ["t50", "t51", "t52"]
+
+
+def test_a_dead_engine_tells_every_feeder_and_the_server_stops(monkeypatch):
+    from spark_llm.engine_service import EngineDied
+
+    class Dead(Exception):
+        pass
+    monkeypatch.setattr("spark_llm.infer.is_fatal", lambda exc: isinstance(exc, Dead))
+    serving = Serving(FakeLLM(step_fails=1, failure=Dead("CUDA error: an illegal memory access")), start_loop=False)
+    threads, results, errors = streams_at_once(serving, [[request(10)], [request(50)]])
+    wait_for_inbox(serving.server, 2)
+    serving.loop.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(e, EngineDied) and "illegal memory access" in str(e) for e in errors), errors
+    until(lambda: serving.stopped)  # the loop goes on to stop the server once the feeders are told
+    assert serving.stopped and serving.stopped[0][1] == 1 and results == [[], []]
+
+
+def test_the_requests_of_a_task_that_hung_up_leave_the_engine_and_the_other_task_goes_on():
+    fake = FakeLLM(step_seconds=0.01, endless={10, 11, 12})
+    serving = Serving(fake)
+    gone = serving.client()
+    gone._conn.send(("stream", 3))
+    gone._conn.send(("add", [(i, request(10 + i)) for i in range(3)]))
+    until(lambda: len(fake.running) == 3)
+    gone._conn.close()  # its worker died
+    threads, results, errors = streams_at_once(serving, [[request(t) for t in range(50, 54)]])
+    threads[0].join(60)
+    assert errors == [None] and sorted(r.outputs[0].text for _, r in results[0]) == ["t50", "t51", "t52", "t53"]
+    until(lambda: not serving.server.streams)
+    assert not serving.server.streams and not fake.running
+    assert sorted(fake.aborted) == ["1-abcd1234", "2-abcd1234", "3-abcd1234"]  # the hung-up task's, never finishing
+
+
+def test_a_call_to_an_engine_that_has_ended_or_is_stopping_is_gone_not_a_death():
+    from multiprocessing import Pipe
+
+    from spark_llm.engine_service import EngineClient, EngineGone, Feed, Slot
+
+    ours, theirs = Pipe()
+    theirs.close()  # the engine process ended (its slot's other feeder's request killed it) since the last call
+    client = EngineClient(Feed(Slot("cpu-test-0"), 0, 1), {"pid": 4242}, False, _conn=ours)
+    with pytest.raises(EngineGone, match="has ended"):
+        client.stream([request(10)], lambda i, r: None)
+
+    serving = Serving(FakeLLM())
+    serving.server.stopping = ("engine dead: CUDA error", 1)  # dying: it tells callers, it takes nothing new
+    with pytest.raises(EngineGone, match="CUDA error"):
+        serving.client().stream([request(10)], lambda i, r: None)
+    client = serving.client()
+    client._conn.send(("stream", 2))  # a stream that got past the question is refused whole, its chunks drained
+    client._conn.send(("add", [(0, request(10)), (1, request(11))]))
+    assert client._conn.recv()[0] == "gone" and not serving.server.inbox.qsize()
 
 
 def test_the_local_warm_up_starts_each_slot_s_engine_from_the_driver_or_leaves_it_to_the_warm_up_job(monkeypatch):

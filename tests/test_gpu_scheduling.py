@@ -1,7 +1,7 @@
 """GPU scheduling on a real multi-process cluster without GPUs: Spark's local-cluster master, one executor whose
 discovery script reports two fake GPUs (scripts/fake_gpu_cluster.py), the engines running vLLM on the CPU. Asserted
 from the engine processes' own records and the metrics table: with one GPU per engine (GPUs asked for by the
-inference stage only), and with a tensor-parallel group of two (spark.task.resource.gpu.amount=2, the engine a real
+inference stage only, half a GPU per task: two tasks feed each engine), and with a tensor-parallel group of two (spark.task.resource.gpu.amount=2, the engine a real
 TP=2 vLLM on two CPU cores). And an executor lost for real: two executors, one JVM killed mid-wave."""
 
 from __future__ import annotations
@@ -68,9 +68,11 @@ def test_a_partition_is_answered_by_the_engine_of_the_gpus_its_task_held(cluster
     assert {m["gpus"] for m in cluster["metrics"]} == {str(i) for i in range(GPUS)}
 
 
-def test_only_inference_asks_for_gpus(cluster):
+def test_only_inference_asks_for_gpus_and_two_tasks_feed_each_gpu_s_engine(cluster):
     assert cluster["cpu_tasks_at_once"] > GPUS  # reading, validation, counting: every core
-    assert cluster["inference_tasks_at_once"] <= GPUS  # inference: one task per GPU
+    assert cluster["tasks_per_engine"] == 2
+    assert cluster["inference_tasks_at_once"] <= 2 * GPUS  # inference: half a GPU per task
+    assert cluster["tasks_at_once_per_gpus"] == {str(i): 2 for i in range(GPUS)}  # each engine fed by two at once
 
 
 def test_a_tensor_parallel_group_gets_one_engine_on_all_its_gpus(tiny_model, tmp_path):

@@ -31,6 +31,19 @@ def test_runs_are_measured_separately():
     assert usage["busy_fraction"] == pytest.approx(15 / 20)
 
 
+def test_an_engine_fed_by_two_tasks_at_once_is_busy_for_the_union_of_their_spans():
+    # one engine, two feeders: partitions 0 and 1 overlap for 4 s, then a 2 s gap before partition 2
+    def fed(partition, start, end):
+        return {**rec("a", partition, start - 0.5, end + 0.5, end - start, slots=2), "engines": 1,
+                "engine_started_at": start, "engine_finished_at": end, "engine_pid": 7}
+    records = [fed(0, 100.0, 106.0), fed(1, 102.0, 110.0), fed(2, 112.0, 114.0)]
+    usage = engine_usage(records)
+    assert usage["engine_seconds"] == pytest.approx(12.0)  # 100-110 and 112-114, not 6 + 8 + 2
+    assert usage["inference_wall_seconds"] == pytest.approx(15.0)  # 99.5 .. 114.5
+    assert usage["busy_fraction"] == pytest.approx(12 / 15)
+    assert usage["engine_tokens_per_second"] == pytest.approx(45 / 12, abs=0.05)  # rounded to 0.1
+
+
 def test_a_retried_partition_counts_once():
     first, retry = rec("a", 0, 0.0, 5.0, 4.0), rec("a", 0, 6.0, 9.0, 2.0)
     assert latest_records([retry, first]) == [retry]
@@ -54,3 +67,15 @@ def test_the_report_tallies_both_tables_at_once_and_lists_the_errors_without_a_c
     assert tables.errors_by_code == {"invalid_json": 2, "context_length_exceeded": 1}
     assert tables.unattributed.total == 2 and [e.line for e in tables.unattributed.data] == [4, 9]
     assert tables.histogram == [(0, 2), (40, 1)]  # width 10 over 40 tokens: 3 and 7 in the first bucket
+
+
+def test_the_timeline_puts_the_partitions_that_fed_an_engine_at_once_in_lanes_one_under_another():
+    from spark_llm.report_html import engine_lanes
+
+    def fed(partition, slot, start, end):
+        return {"partition": partition, "engine_slot": slot, "engine_pid": 7, "started_at": start - 1,
+                "finished_at": end + 1, "engine_started_at": start, "engine_finished_at": end}
+    lanes = engine_lanes([fed(0, "cpu-1-0", 0, 10), fed(1, "cpu-1-0", 2, 12), fed(2, "cpu-1-0", 10, 15),
+                          fed(3, "cpu-1-1", 0, 9)])
+    assert [(label, [m["partition"] for m, _, _ in spans]) for label, spans in lanes] == [
+        ("cpu-1-0 pid 7 #1", [0, 2]), ("cpu-1-0 pid 7 #2", [1]), ("cpu-1-1 pid 7", [3])]

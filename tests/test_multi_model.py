@@ -88,9 +88,11 @@ def test_models_run_one_after_the_other_and_the_metrics_say_which(spark, mixed):
     assert len({r["partition"] for r in metrics}) == len(metrics)  # numbered across the models
     rows = {m: sum(r["rows"] for r in metrics if r["model"] == m) for m in (MODEL_NAME, EMBED)}
     assert rows == {MODEL_NAME: 10, EMBED: 6}
-    # each engine slot loaded each model once
-    loads = [(r["engine_slot"], r["model"]) for r in metrics if r["engine_load_seconds"] > 0]
-    assert len(loads) == len(set(loads))
+    # each engine slot loaded each model once: one engine process per slot and model answered all its partitions
+    processes: dict[tuple[str, str], set[int]] = {}
+    for r in metrics:
+        processes.setdefault((r["engine_slot"], r["model"]), set()).add(r["engine_pid"])
+    assert all(len(pids) == 1 for pids in processes.values()), processes
     # the progress line follows each model's own requests
     last = {m: [x for x in logs if x.startswith(f"progress b-multi ({m})")][-1] for m in (MODEL_NAME, EMBED)}
     assert "requests 10/10 (100.0%)" in last[MODEL_NAME] and "requests 6/6 (100.0%)" in last[EMBED]
@@ -117,4 +119,4 @@ def test_the_dry_run_plans_each_model(spark, tiny_model, embedding_model, tmp_pa
                                          models=[{"name": EMBED, "path": embedding_model, "max_model_len": 512}]))
     assert (plan.lines, plan.requests) == (len(LINES), 16)
     assert plan.errors_by_code == {"unsupported_endpoint": 2, "model_not_found": 1}
-    assert plan.partitions == 4  # two task slots for each model
+    assert plan.partitions == 8  # four inference tasks at once (two engines, two tasks each) for each model

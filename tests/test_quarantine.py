@@ -3,6 +3,7 @@ guarded engine loop with a fake engine that dies on chosen requests (the real dr
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pandas as pd
@@ -91,13 +92,24 @@ def test_the_journal_keeps_the_calls_that_never_returned(tmp_path, uri):
 
 class FakeEngine:
     """An engine client whose engine dies whenever a poison prompt is in a call: at once, or (``streams``) after
-    answering the requests before the poison, as a streamed call does."""
+    answering the requests before the poison, as a streamed call does. Records each call's requests and whether the
+    task was alone on the engine for it."""
 
     def __init__(self, poison, streams=False):
         self.poison, self.streams, self.rebuilds, self.info, self.calls = poison, streams, 0, {"pid": None}, []
+        self.alone_now, self.alone_calls = False, []
 
-    def stream(self, requests, on_result):
+    @contextlib.contextmanager
+    def alone(self):
+        self.alone_now = True
+        try:
+            yield
+        finally:
+            self.alone_now = False
+
+    def stream(self, requests, on_result, sent=None):
         self.calls.append([r[0] for r in requests])
+        self.alone_calls.append(self.alone_now)
         if not self.streams and any(r[0] in self.poison for r in requests):
             raise EngineDied("the engine process died during a call (EOFError)")
         for k, r in enumerate(requests):
@@ -134,6 +146,9 @@ def test_an_engine_dying_under_a_live_worker_is_rebuilt_and_the_poison_request_s
     assert engine.rebuilds == got.deaths == 3
     # the markers of the three deaths stay: all 40 in flight, then a call of ceil(40/16) = 3, then r13 alone
     assert sorted(journal.deaths(), key=len) == [{"r13"}, {"r12", "r13", "r14"}, set(ids(40))]
+    # the first call shared the engine with the slot's other feeder; once a death was on record, every call ran
+    # with the task alone on the engine, so a later death could only be its own request's doing
+    assert engine.alone_calls[0] is False and all(engine.alone_calls[1:])
 
 
 def test_the_next_attempt_continues_from_the_journal(tmp_path):
@@ -145,6 +160,7 @@ def test_the_next_attempt_continues_from_the_journal(tmp_path):
     got = generate_guarded(engine, requests, owner, pdf, journal, Answers())
     assert got.quarantined == {13} and engine.rebuilds == 2 and got.deaths == 3
     assert engine.calls[0] == ["p0", "p1", "p2"]  # no call of all 40 again: chunks of ceil(40/16) from the start
+    assert all(engine.alone_calls)  # deaths on record from the start: alone on the engine from the start
 
 
 def test_a_task_gives_up_after_its_rebuild_budget():
@@ -164,6 +180,30 @@ def test_rows_answered_before_the_engine_died_are_kept_and_not_run_again(tmp_pat
     got = generate_guarded(engine, requests, owner, pdf, Journal.open(str(tmp_path), 0), answers)
     assert got.quarantined == {13} and answers == {i: [f"out-p{i}"] for i in range(40) if i != 13}
     assert not {f"p{i}" for i in range(13)} & {p for call in engine.calls[1:] for p in call}
+
+
+def test_an_engine_gone_before_a_call_is_replaced_and_the_call_made_again_without_suspecting_it(tmp_path):
+    """The slot's other feeder lost the engine between this task's calls: its call never reached an engine, so it
+    is made again on the next one, alone on nothing and with no death on record."""
+    from spark_llm.engine_service import EngineGone
+
+    class GoneOnce(FakeEngine):
+        def stream(self, requests, on_result, sent=None):
+            if not self.calls:
+                self.calls.append(None)
+                raise EngineGone("engine of slot cpu-1-0: the engine process (pid 7) has ended")
+            super().stream(requests, on_result, sent)
+
+        def rebuild(self, died=True):
+            self.rebuilds += died
+            self.reconnected = True
+
+    pdf, requests, owner = partition(20)
+    engine, journal, answers = GoneOnce(set()), Journal.open(str(tmp_path), 0), Answers()
+    got = generate_guarded(engine, requests, owner, pdf, journal, answers)
+    assert engine.reconnected and engine.rebuilds == 0 and got.deaths == 0 and not got.quarantined
+    assert engine.calls[1:] == [[f"p{i}" for i in range(20)]] and engine.alone_calls == [False]
+    assert answers == {i: [f"out-p{i}"] for i in range(20)} and journal.deaths() == []
 
 
 def test_local_masters_get_the_task_retries_the_isolation_needs():

@@ -1,0 +1,523 @@
+"""The engine process of one slot: one vLLM engine, fed by every task that holds a feed of the slot, at once.
+
+``python -m spark_llm.engine_server`` is started by :mod:`~spark_llm.engine_service` (the tasks' side: slots,
+feeds, start and stop). It builds the engine, listens on the slot's Unix socket and reads each connection (a task)
+in a thread of its own. One **engine loop** thread owns the engine: it adds each chunk of requests as it arrives,
+from whichever task, steps the engine, and sends every finished request back to the task it came from (pickled
+between steps; a sender thread per stream only writes the bytes). So while one task's partition drains (its
+longest answers decoding at an ever smaller batch) or its task starts, reads its rows or writes its results, the
+requests of the slot's other task already fill the batch: the engine does not wait for tasks, sockets or waves.
+vLLM's scheduler takes requests first come, first served, so a task's requests still finish about in the order the
+tasks came.
+
+A request the engine refuses when it is added is that request's failure. A step that raises (not fatally) sends
+every request in flight through the isolating path (:func:`~spark_llm.infer.generate_isolating`), whose bisection
+finds the request at fault. A dead engine (``EngineDeadError``) answers every stream ``dead`` and the process ends:
+its tasks rebuild it and set the request that killed it aside (:mod:`~spark_llm.quarantine`, which runs a partition
+with deaths on record alone on the engine). Embedding engines (vLLM's pooling runner) take whole calls, one at a
+time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .engine_service import (EVENTS_FILE, STOP_TIMEOUT_SECONDS, Output, RequestFailure, Slot, _plain, _try_lock,
+                             _write_private, engine_dir, process_alive)
+from .errors import EngineStartError
+
+log = logging.getLogger(__name__)
+
+def _event(**record: Any) -> None:
+    """One line of the engine directory's record of engine starts, readies and stops."""
+    line = json.dumps({"time": time.time(), **record}) + "\n"
+    with open(engine_dir() / EVENTS_FILE, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(line)
+
+
+class _Sender:
+    """Sends a stream's messages from a thread of its own, in order, so the engine never waits for the socket or the
+    task; notes when the client has gone. Messages are pickled by the caller (the engine loop, between steps): the
+    thread only writes bytes, which releases the GIL, so it does not slow the engine down."""
+
+    def __init__(self, conn: Any):
+        self.conn, self.gone = conn, False
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="results", daemon=True)
+        self.thread.start()
+
+    def put(self, message: Any) -> None:
+        self.queue.put(bytes(ForkingPickler.dumps(message)))  # what Connection.recv reads
+
+    def _run(self) -> None:
+        while (payload := self.queue.get()) is not None:
+            if self.gone:
+                continue
+            try:
+                self.conn.send_bytes(payload)
+            except (OSError, EOFError, ValueError):
+                self.gone = True
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self.queue.put(None)
+        self.thread.join()
+
+
+class _Stream:
+    """One task's streamed call: ``total`` requests, whose results go back on its connection as they finish, then
+    ``("done", None)`` (or ``("dead" | "error", why)``)."""
+
+    def __init__(self, conn: Any, total: int):
+        self.sender = _Sender(conn)
+        self.left = total
+        self.ended = threading.Event()
+
+    @property
+    def gone(self) -> bool:
+        """The task hung up (its worker died): nobody wants the rest."""
+        return self.sender.gone
+
+    def answer(self, results: list) -> None:
+        """Send ``[(index, result), ...]``; the stream is done when every request has its result."""
+        if results:
+            self.sender.put(("results", results))
+            self.left -= len(results)
+        if self.left <= 0:
+            self.end("done", None)
+
+    def end(self, status: str, value: Any) -> None:
+        if not self.ended.is_set():
+            self.sender.put((status, value))
+            self.ended.set()
+
+
+@dataclass
+class _InFlight:
+    """A request in the engine: its stream, its index in the stream's call, the request, vLLM's internal id."""
+
+    stream: _Stream
+    index: int
+    request: tuple
+    internal: str
+
+
+class EngineServer:
+    """The engine of one slot and the streams that feed it (see the module docs)."""
+
+    def __init__(self, slot: Slot, key: str, watch_pid: int, idle_timeout: float):
+        self.slot, self.key, self.watch_pid, self.idle_timeout = slot, key, watch_pid, idle_timeout
+        self.engine: Any = None
+        self.parsers: Any = None
+        self.pooling = False  #: an embedding engine (vLLM's pooling runner)
+        self.adapters: dict[Optional[str], Any] = {}  #: adapter name -> vLLM LoRARequest (None: the base model)
+        #: what the connection and watch threads hand the engine loop: ("add", stream, chunk), ("call", stream,
+        #: requests) for pooling engines, ("stop", reason, code, when) with when "now", "when idle" or "if idle"
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: set[_Stream] = set()
+        self.streams_lock = threading.Lock()
+        self.stopping: Optional[tuple[str, int]] = None  #: a stop asked for, once the streams under way end
+        self.last_used = time.monotonic()
+
+    # ---- the connection threads ----------------------------------------------------------------------------
+
+    def serve_connection(self, conn: Any) -> None:
+        try:
+            self.handle(conn)
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def handle(self, conn: Any) -> None:
+        """A task's connection: its streamed calls, one after another, or a request to stop."""
+        while True:
+            try:
+                op, *args = conn.recv()
+            except (EOFError, OSError):
+                return
+            self.last_used = time.monotonic()
+            if op == "ping":  # a task about to call: is this engine still here for it?
+                conn.send(("gone", self.stopping[0]) if self.stopping is not None else ("ok", None))
+                continue
+            if op == "shutdown":  # another engine needs the slot's devices: stop once the streams under way end
+                with contextlib.suppress(Exception):
+                    conn.send(("ok", None))
+                self.inbox.put(("stop", "asked to stop", 0, "when idle"))
+                return
+            if op != "stream":
+                conn.send(("error", f"unknown op {op!r}"))
+                continue
+            if not self._receive_stream(conn, int(args[0])):
+                return
+
+    def _receive_stream(self, conn: Any, total: int) -> bool:
+        """Hand a stream's chunks to the engine loop as they arrive, then wait until it has ended; False when the
+        connection broke."""
+        stream = _Stream(conn, total)
+        with self.streams_lock:
+            refused = self.stopping is not None
+            if not refused:
+                self.streams.add(stream)
+        try:
+            if refused:  # none of its requests reach the engine: the task starts or finds another one
+                stream.end("gone", f"the engine of slot {self.slot.name} is stopping ({self.stopping[0]})")
+                _receive(conn, total)
+                return True
+            if self.pooling:  # vLLM's pooling runner takes whole calls only
+                self.inbox.put(("call", stream, _receive(conn, total)))
+            else:
+                received = 0
+                while received < total:
+                    _, chunk = conn.recv()
+                    received += len(chunk)
+                    self.inbox.put(("add", stream, chunk))
+                if not total:
+                    self.inbox.put(("add", stream, []))
+            while not stream.ended.wait(0.2):
+                if conn.poll(0):  # the task sends nothing while its answers come: it hung up (its worker died)
+                    conn.recv()
+            return True
+        except (EOFError, OSError):
+            stream.sender.gone = True  # the loop drops what it has of the stream
+            return False
+        finally:
+            stream.sender.close()
+            self.last_used = time.monotonic()
+
+    # ---- the engine loop -----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The engine loop (the only thread that touches the engine): take what arrived, step, answer."""
+        flight: dict[str, _InFlight] = {}  # vLLM's request id -> the request in flight
+        while True:
+            try:
+                self._take(flight, block=not flight)
+                self._drop_gone(flight)
+                if not flight:
+                    continue
+                try:
+                    outs = self.engine.llm_engine.step()
+                except Exception as exc:
+                    self._step_failed(exc, flight)
+                    continue
+                finished: dict[_Stream, list] = {}
+                for out in outs:
+                    if out.finished and (entry := flight.pop(out.request_id, None)) is not None:
+                        finished.setdefault(entry.stream, []).append(
+                            (entry.index, self._result(out, entry.request[2])))
+                for stream, results in finished.items():
+                    self._answer(stream, results)
+            except Exception as exc:  # a bug of ours, not of one request: end the streams, keep the engine
+                log.exception("engine loop failed; ending the %d stream(s) under way", len(self.streams))
+                self._abort(list(flight.values()))
+                flight.clear()
+                for stream in list(self.streams):
+                    stream.end("error", f"{type(exc).__name__}: {exc}")
+                    self._forget(stream)
+
+    def _take(self, flight: dict[str, _InFlight], block: bool) -> None:
+        """Add what the connection threads handed over (waiting for something when nothing is in flight) and act
+        on stop requests."""
+        items = []
+        if block:
+            try:
+                items.append(self.inbox.get(timeout=1.0))
+            except queue.Empty:
+                pass
+        with contextlib.suppress(queue.Empty):
+            while True:
+                items.append(self.inbox.get_nowait())
+        for op, *args in items:
+            if op == "add":
+                stream, chunk = args
+                self._answer(stream, self._enqueue(stream, chunk, flight))
+            elif op == "call":
+                stream, chunk = args
+                self._answer(stream, list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk]))))
+            elif op == "stop":
+                reason, code, when = args
+                with self.streams_lock:
+                    busy = bool(self.streams)
+                    if when == "when idle" and busy:
+                        self.stopping = (reason, code)
+                if when == "now" or not busy:
+                    self.stop(reason, code)
+        if self.stopping is not None and not self.streams:
+            self.stop(*self.stopping)
+
+    def _answer(self, stream: _Stream, results: list) -> None:
+        stream.answer(results)
+        if stream.ended.is_set():
+            self._forget(stream)
+
+    def _forget(self, stream: _Stream) -> None:
+        with self.streams_lock:
+            self.streams.discard(stream)
+        self.last_used = time.monotonic()
+
+    def _drop_gone(self, flight: dict[str, _InFlight]) -> None:
+        """The requests of streams whose task hung up leave the engine."""
+        gone = {s for s in self.streams if s.gone}
+        if not gone:
+            return
+        dropped = [rid for rid, entry in flight.items() if entry.stream in gone]
+        self._abort([flight.pop(rid) for rid in dropped])
+        for stream in gone:
+            stream.ended.set()
+            self._forget(stream)
+
+    def _abort(self, entries: list[_InFlight]) -> None:
+        if entries:
+            with contextlib.suppress(Exception):
+                self.engine.llm_engine.abort_request([e.internal for e in entries], internal=True)
+
+    def _step_failed(self, exc: Exception, flight: dict[str, _InFlight]) -> None:
+        """A step raised. Dead engine: every stream ends ``dead`` and the process goes. Otherwise which request the
+        engine choked on is not known: every request in flight runs again through the isolating path."""
+        from .infer import is_fatal
+
+        if is_fatal(exc):
+            self._die(exc)
+        log.warning("engine step failed (%s: %s); isolating the %d request(s) in flight", type(exc).__name__, exc,
+                    len(flight))
+        entries = list(flight.values())
+        self._abort(entries)
+        flight.clear()
+        try:
+            results = self.generate([e.request for e in entries])
+        except Exception as fatal:  # generate re-raises only what killed the engine
+            self._die(fatal)
+        by_stream: dict[_Stream, list] = {}
+        for entry, result in zip(entries, results):
+            by_stream.setdefault(entry.stream, []).append((entry.index, result))
+        for stream, answered in by_stream.items():
+            self._answer(stream, answered)
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine is dead: no new stream is taken (they are told ``gone``), every stream under way is told
+        ``dead`` (and its sender flushed), then the process ends."""
+        message = f"{type(exc).__name__}: {exc} (the engine is dead)"
+        with self.streams_lock:
+            self.stopping = (f"engine dead: {exc}", 1)
+        for stream in list(self.streams):
+            stream.end("dead", message)
+            stream.sender.close()
+        self.stop(f"engine dead: {exc}", code=1)
+
+    def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list:
+        """Results of ``requests`` from one blocking engine call; a request the engine rejects is found by bisection
+        (:func:`~spark_llm.infer.generate_isolating`) and becomes its failure. For pooling engines and for the
+        requests in flight when a step raised."""
+        from .endpoints.engine_side import sampling_params
+        from .infer import generate_isolating, is_fatal
+
+        results: list = [None] * len(requests)
+        prompts, params, adapters, index = [], [], [], []
+        for i, (ids, sampling, options) in enumerate(requests):
+            try:
+                params.append(sampling_params(sampling, self.pooling))
+            except Exception as exc:
+                results[i] = RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
+                continue
+            prompts.append({"prompt_token_ids": ids})
+            adapters.append(self.adapters.get(options.get("adapter")))
+            index.append(i)
+        # the adapter of each request rides with its sampling settings, so that bisection keeps them paired
+        paired = list(zip(params, adapters))
+
+        def run(p: list, s: list) -> list:
+            lora = [a for _, a in s] if any(a is not None for _, a in s) else None
+            if self.pooling:
+                return self.engine.embed(p, pooling_params=[x for x, _ in s], lora_request=lora, use_tqdm=False)
+            return self.engine.generate(p, [x for x, _ in s], lora_request=lora, use_tqdm=False)
+        outs = generate_isolating(run, prompts, paired)
+        for i, out in zip(index, outs):
+            if isinstance(out, BaseException):
+                if is_fatal(out):
+                    raise out
+                results[i] = RequestFailure("engine", f"{type(out).__name__}: {out}")
+                continue
+            results[i] = self._result(out, requests[i][2])
+        return results
+
+    def _result(self, out: Any, parse: dict) -> "Output | RequestFailure":
+        """A finished vLLM output as what crosses the socket, its answers parsed as ``parse`` asks."""
+        result = _plain(out)
+        try:
+            for choice in result.outputs:
+                self.parsers.parse(choice, parse)
+        except Exception as exc:  # a parser bug on one odd answer is that request's error, not the batch's
+            return RequestFailure("engine", f"parsing the answer failed: {type(exc).__name__}: {exc}")
+        return result
+
+    def _enqueue(self, stream: _Stream, chunk: list, flight: dict[str, _InFlight]) -> list:
+        """Add a chunk of a stream's requests to the engine (``flight`` gets them); returns the failures of those it
+        refused, each found by adding the chunk's requests one by one when the chunk as a whole was refused."""
+        from .endpoints.engine_side import sampling_params
+        from .infer import is_fatal
+
+        failed, ready = [], []
+        for index, request in chunk:
+            try:
+                ready.append((index, request, sampling_params(request[1])))
+            except Exception as exc:
+                failed.append((index, RequestFailure("invalid", f"{type(exc).__name__}: {exc}")))
+
+        def add(items: list) -> None:
+            loras = [self.adapters.get(r[2].get("adapter")) for _, r, _ in items]
+            ids = self.engine.enqueue([{"prompt_token_ids": r[0]} for _, r, _ in items], [p for _, _, p in items],
+                                      lora_request=loras if any(a is not None for a in loras) else None,
+                                      use_tqdm=False)
+            for internal, (index, request, _) in zip(ids, items):
+                # outputs carry the id the request was added with; vLLM's own id has a random suffix after it
+                flight[internal.split("-", 1)[0]] = _InFlight(stream, index, request, internal)
+        try:
+            if ready:
+                add(ready)
+        except Exception as exc:
+            if is_fatal(exc):
+                self._die(exc)
+            for item in ready:
+                try:
+                    add([item])
+                except Exception as one:
+                    if is_fatal(one):
+                        self._die(one)
+                    failed.append((item[0], RequestFailure("engine", f"{type(one).__name__}: {one}")))
+        return failed
+
+    # ---- life --------------------------------------------------------------------------------------------
+
+    def stop(self, reason: str, code: int = 0) -> None:
+        """Leave: remove our files, record why, release the devices (the process ends). From here on a task is told
+        the engine is ``gone`` (while the engine shuts down), never that its requests died."""
+        with self.streams_lock:
+            self.stopping = self.stopping or (reason, code)
+        with contextlib.suppress(Exception):
+            info = json.loads(self.slot.path(".json").read_text())
+            if info.get("pid") == os.getpid():
+                self.slot.path(".json").unlink()
+                self.slot.path(".sock").unlink()
+        _event(event="stop", slot=self.slot.name, devices=list(self.slot.devices), pid=os.getpid(), key=self.key,
+               reason=reason)
+        if self.engine is not None:
+            from .engine import shutdown_engine
+
+            shutdown_engine(self.engine)
+        os._exit(code)
+
+    def watch(self) -> None:
+        """Ask the engine loop to stop when the executor is gone, or when idle longer than the idle timeout."""
+        while True:
+            time.sleep(1.0)
+            if not process_alive(self.watch_pid):
+                self.inbox.put(("stop", "executor gone", 0, "now"))
+            idle = time.monotonic() - self.last_used
+            if self.idle_timeout and not self.streams and idle > self.idle_timeout:
+                self.inbox.put(("stop", f"idle for {idle:.0f}s", 0, "if idle"))
+
+
+def _receive(conn: Any, count: int) -> list:
+    """The next ``count`` requests of a stream (``("add", chunk)`` messages)."""
+    got: list = []
+    while len(got) < count:
+        _, chunk = conn.recv()
+        got.extend(chunk)
+    return got
+
+
+def lora_requests(lora_modules: dict[str, str]) -> dict[Optional[str], Any]:
+    """vLLM ``LoRARequest`` per adapter name, with stable integer ids (1, 2, ... in name order)."""
+    if not lora_modules:
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {name: LoRARequest(name, n, os.path.abspath(path) if "://" not in path else path)
+            for n, (name, path) in enumerate(sorted(lora_modules.items()), 1)}
+
+
+def serve(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m spark_llm.engine_server")
+    p.add_argument("--slot", required=True)
+    p.add_argument("--devices", default="")
+    p.add_argument("--spec-file", required=True)
+    p.add_argument("--key", required=True)
+    p.add_argument("--watch-pid", type=int, required=True)
+    p.add_argument("--idle-timeout", type=float, default=0.0)
+    args = p.parse_args(argv)
+    slot = Slot(args.slot, tuple(d for d in args.devices.split(",") if d))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
+    server = EngineServer(slot, args.key, args.watch_pid, args.idle_timeout)
+    device_locks = []
+    for device in slot.devices:  # held until the process ends: never two engines on one device
+        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+        while (fd := _try_lock(engine_dir() / f"device-{device}.lock")) is None:
+            if time.monotonic() > deadline:
+                slot.path(".error").write_text(f"GPU {device} is still held by another engine process after "
+                                               f"{STOP_TIMEOUT_SECONDS:.0f}s; see {engine_dir()}")
+                server.stop("device busy", code=1)
+            time.sleep(0.2)
+        device_locks.append(fd)
+    _event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
+
+    from .endpoints.engine_side import Parsers
+    from .engine import EngineSpec, build_engine
+
+    spec = EngineSpec(settings=json.loads(Path(args.spec_file).read_text()))
+    t0 = time.monotonic()
+    try:
+        server.engine = build_engine(spec)
+        server.pooling = spec.settings.get("runner") == "pooling"
+        server.adapters = lora_requests(spec.settings.get("lora_modules") or {})
+        server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
+                                 spec.settings.get("reasoning_parser"))
+    except EngineStartError as exc:
+        slot.path(".error").write_text(str(exc))
+        server.stop("engine could not start", code=1)
+    load_s = time.monotonic() - t0
+    threading.Thread(target=server.run, name="engine", daemon=True).start()
+    threading.Thread(target=server.watch, name="watch", daemon=True).start()
+
+    from multiprocessing.connection import Listener
+
+    authkey = os.urandom(16).hex()
+    with contextlib.suppress(FileNotFoundError):
+        slot.path(".sock").unlink()
+    listener = Listener(str(slot.path(".sock")), family="AF_UNIX", authkey=authkey.encode())
+    info = {"pid": os.getpid(), "slot": slot.name, "devices": list(slot.devices), "key": args.key,
+            "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time()}
+    _write_private(slot.path(".json"), info)
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(slot.path(".starting").read_text()).get("pid") == os.getpid():
+            slot.path(".starting").unlink()
+    _event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
+           load_seconds=round(load_s, 3))
+    log.info("engine for slot %s ready in %.1fs", slot.name, load_s)
+    while True:
+        try:
+            conn = listener.accept()
+        except Exception:  # a client that failed authentication or vanished
+            continue
+        server.last_used = time.monotonic()
+        threading.Thread(target=server.serve_connection, args=(conn,), daemon=True).start()
+
+
+if __name__ == "__main__":
+    # run from the imported module, not from __main__: what crosses the socket must pickle as spark_llm's classes
+    from spark_llm import engine_server
+
+    sys.exit(engine_server.serve())
