@@ -221,11 +221,17 @@ class EngineServer:
                             (entry.index, self._result(out, entry.request[2])))
                 for stream, results in finished.items():
                     self._answer(stream, results)
-            except Exception as exc:  # a bug of ours, not of one request: end the streams, keep the engine
-                log.exception("engine loop failed; ending the %d stream(s) under way", len(self.streams))
+            except Exception as exc:
+                from .infer import is_fatal
+
+                if is_fatal(exc):  # from a pooling engine's whole call, say
+                    self._die(exc)
+                # a bug of ours, not of one request: end the streams, keep the engine
+                streams = self._live_streams()
+                log.exception("engine loop failed; ending the %d stream(s) under way", len(streams))
                 self._abort(list(flight.values()))
                 flight.clear()
-                for stream in list(self.streams):
+                for stream in streams:
                     stream.end("error", f"{type(exc).__name__}: {exc}")
                     self._forget(stream)
 
@@ -264,6 +270,11 @@ class EngineServer:
         if stream.ended.is_set():
             self._forget(stream)
 
+    def _live_streams(self) -> list[_Stream]:
+        """The streams under way (the connection threads add to them)."""
+        with self.streams_lock:
+            return list(self.streams)
+
     def _forget(self, stream: _Stream) -> None:
         with self.streams_lock:
             self.streams.discard(stream)
@@ -271,7 +282,7 @@ class EngineServer:
 
     def _drop_gone(self, flight: dict[str, _InFlight]) -> None:
         """The requests of streams whose task hung up leave the engine."""
-        gone = {s for s in self.streams if s.gone}
+        gone = {s for s in self._live_streams() if s.gone}
         if not gone:
             return
         dropped = [rid for rid, entry in flight.items() if entry.stream in gone]
@@ -313,7 +324,7 @@ class EngineServer:
         message = f"{type(exc).__name__}: {exc} (the engine is dead)"
         with self.streams_lock:
             self.stopping = (f"engine dead: {exc}", 1)
-        for stream in list(self.streams):
+        for stream in self._live_streams():
             stream.end("dead", message)
             stream.sender.close()
         self.stop(f"engine dead: {exc}", code=1)

@@ -452,6 +452,24 @@ def test_a_dead_engine_tells_every_feeder_and_the_server_stops(monkeypatch):
     assert serving.stopped and serving.stopped[0][1] == 1 and results == [[], []]
 
 
+def test_an_embedding_engine_that_dies_in_a_whole_call_tells_its_feeder_and_the_server_stops(monkeypatch):
+    from spark_llm.engine_service import EngineDied
+
+    class Dead(Exception):
+        pass
+
+    class DyingEmbedder(FakeLLM):
+        def embed(self, prompts, pooling_params=None, lora_request=None, use_tqdm=False):
+            raise Dead("CUDA error: device-side assert triggered")
+    monkeypatch.setattr("spark_llm.infer.is_fatal", lambda exc: isinstance(exc, Dead))
+    serving = Serving(DyingEmbedder())
+    serving.server.pooling = True  # vLLM's pooling runner: whole calls, one at a time
+    with pytest.raises(EngineDied, match="device-side assert"):
+        serving.client().stream([([5, 6], {}, {})], lambda i, r: None)
+    until(lambda: serving.stopped)
+    assert serving.stopped[0][1] == 1
+
+
 def test_the_requests_of_a_task_that_hung_up_leave_the_engine_and_the_other_task_goes_on():
     fake = FakeLLM(step_seconds=0.01, endless={10, 11, 12})
     serving = Serving(fake)
