@@ -2,13 +2,15 @@
 
 ``python -m spark_llm.engine_server`` is started by :mod:`~spark_llm.engine_service` (the tasks' side: slots,
 feeds, start and stop). It builds the engine, listens on the slot's Unix socket and reads each connection (a task)
-in a thread of its own. One **engine loop** thread owns the engine: it adds each chunk of requests as it arrives,
-from whichever task, steps the engine, and sends every finished request back to the task it came from (pickled
-between steps; a sender thread per stream only writes the bytes). So while one task's partition drains (its
-longest answers decoding at an ever smaller batch) or its task starts, reads its rows or writes its results, the
-requests of the slot's other task already fill the batch: the engine does not wait for tasks, sockets or waves.
-vLLM's scheduler takes requests first come, first served, so a task's requests still finish about in the order the
-tasks came.
+in a thread of its own. One **engine loop** thread owns the engine: it keeps a backlog of requests in vLLM
+(:data:`BACKLOG_PER_SEQ` x ``max_num_seqs``, enough to refill every sequence that finishes), topping it up before
+each step from the **oldest** stream that has requests left, steps the engine, and sends every finished request
+back to the task it came from (pickled between steps; a sender thread per stream only writes the bytes). So a
+partition runs mostly on its own, and while it drains (its longest answers decoding at an ever smaller batch), or
+while its task starts, reads its rows or writes its results, the next task's requests fill the batch: the engine
+does not wait for tasks, sockets or waves. (Fed as they arrive, two tasks' requests would interleave in vLLM's
+first-come queue: both partitions would progress at one rate and end together, and the engine would wait for the
+next two tasks.)
 
 A request the engine refuses when it is added is that request's failure. A step that raises (not fatally) sends
 every request in flight through the isolating path (:func:`~spark_llm.infer.generate_isolating`), whose bisection
@@ -30,6 +32,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -85,7 +88,10 @@ class _Stream:
     def __init__(self, conn: Any, total: int):
         self.sender = _Sender(conn)
         self.left = total
+        self.unadded = total  #: requests not yet added to the engine (arrived or on their way)
+        self.in_line = False  #: in the engine loop's line of streams to add requests from
         self.ended = threading.Event()
+        self.pending: deque = deque()  #: (index, request) arrived and not yet added to the engine, in order
 
     @property
     def gone(self) -> bool:
@@ -104,6 +110,12 @@ class _Stream:
         if not self.ended.is_set():
             self.sender.put((status, value))
             self.ended.set()
+
+
+#: The engine's backlog, in sequences per ``max_num_seqs``: requests in vLLM (running or waiting) the engine loop
+#: keeps it topped up to. Above one, a finished sequence is replaced at once; the rest of a stream waits in the loop,
+#: in order, so a later stream's requests go in only when the earlier streams have none left to add.
+BACKLOG_PER_SEQ = 2
 
 
 @dataclass
@@ -128,6 +140,8 @@ class EngineServer:
         #: what the connection and watch threads hand the engine loop: ("add", stream, chunk), ("call", stream,
         #: requests) for pooling engines, ("stop", reason, code, when) with when "now", "when idle" or "if idle"
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.backlog = 512  #: requests kept in vLLM (BACKLOG_PER_SEQ x max_num_seqs, set with the engine)
+        self.queued: list[_Stream] = []  #: streams with requests not yet added to the engine, in order of arrival
         self.streams: set[_Stream] = set()
         self.streams_lock = threading.Lock()
         self.stopping: Optional[tuple[str, int]] = None  #: a stop asked for, once the streams under way end
@@ -205,8 +219,9 @@ class EngineServer:
         flight: dict[str, _InFlight] = {}  # vLLM's request id -> the request in flight
         while True:
             try:
-                self._take(flight, block=not flight)
+                self._take(block=not flight and not self.queued)
                 self._drop_gone(flight)
+                self._feed(flight)
                 if not flight:
                     continue
                 try:
@@ -235,9 +250,9 @@ class EngineServer:
                     stream.end("error", f"{type(exc).__name__}: {exc}")
                     self._forget(stream)
 
-    def _take(self, flight: dict[str, _InFlight], block: bool) -> None:
-        """Add what the connection threads handed over (waiting for something when nothing is in flight) and act
-        on stop requests."""
+    def _take(self, block: bool) -> None:
+        """Queue what the connection threads handed over (waiting for something when the engine has nothing to do)
+        and act on stop requests."""
         items = []
         if block:
             try:
@@ -250,7 +265,13 @@ class EngineServer:
         for op, *args in items:
             if op == "add":
                 stream, chunk = args
-                self._answer(stream, self._enqueue(stream, chunk, flight))
+                if not chunk:  # a call of no requests
+                    self._answer(stream, [])
+                    continue
+                if not stream.in_line:  # its first chunk: its place in line
+                    stream.in_line = True
+                    self.queued.append(stream)
+                stream.pending.extend(chunk)
             elif op == "call":
                 stream, chunk = args
                 self._answer(stream, list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk]))))
@@ -264,6 +285,23 @@ class EngineServer:
                     self.stop(reason, code)
         if self.stopping is not None and not self.streams:
             self.stop(*self.stopping)
+
+    def _feed(self, flight: dict[str, _InFlight]) -> None:
+        """Top the engine's backlog up from the oldest streams' requests (see the module docs). A stream keeps its
+        place until all its requests are in; while its next chunk is still on its way, the later streams wait for
+        it as long as the engine has half its backlog to work on."""
+        for stream in list(self.queued):
+            room = self.backlog - len(flight)
+            if room <= 0:
+                return
+            if stream.pending:
+                chunk = [stream.pending.popleft() for _ in range(min(room, len(stream.pending)))]
+                stream.unadded -= len(chunk)
+                self._answer(stream, self._enqueue(stream, chunk, flight))
+            if not stream.unadded:
+                self.queued.remove(stream)
+            elif len(flight) >= self.backlog // 2:
+                return
 
     def _answer(self, stream: _Stream, results: list) -> None:
         stream.answer(results)
@@ -285,6 +323,7 @@ class EngineServer:
         gone = {s for s in self._live_streams() if s.gone}
         if not gone:
             return
+        self.queued = [s for s in self.queued if s not in gone]
         dropped = [rid for rid, entry in flight.items() if entry.stream in gone]
         self._abort([flight.pop(rid) for rid in dropped])
         for stream in gone:
@@ -492,6 +531,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.monotonic()
     try:
         server.engine = build_engine(spec)
+        server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs
         server.pooling = spec.settings.get("runner") == "pooling"
         server.adapters = lora_requests(spec.settings.get("lora_modules") or {})
         server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),

@@ -267,6 +267,8 @@ class FakeLLM:
         self.failure = failure or RuntimeError("a kernel choked")
         self.step_seconds = step_seconds
         self.running: dict[str, list[int]] = {}
+        self.added: list[int] = []  # first token of each request, in the order it was added
+        self.mixed = False  # the engine held requests of two streams (first tokens < 50 and >= 50) at once
         self.max_running = 0
         self.aborted: list[str] = []
         self.llm_engine = self
@@ -279,6 +281,7 @@ class FakeLLM:
             self.counter += 1
             ids.append(f"{self.counter}-abcd1234")  # vLLM's own id: the one added with, a random suffix
             self.running[str(self.counter)] = p["prompt_token_ids"]
+            self.added.append(p["prompt_token_ids"][0])
         return ids
 
     def step(self):
@@ -286,6 +289,7 @@ class FakeLLM:
 
         self.steps += 1
         self.max_running = max(self.max_running, len(self.running))
+        self.mixed |= len({ids[0] >= 50 for ids in self.running.values()}) == 2
         time.sleep(self.step_seconds)
         if self.step_fails == self.steps:
             raise self.failure
@@ -419,6 +423,24 @@ def test_two_tasks_feed_one_engine_at_once_and_each_gets_exactly_its_own_answers
     assert {i: r.outputs[0].text for i, r in results[0]} == {i: f"t{10 + i}" for i in range(5)}
     assert {i: r.outputs[0].text for i, r in results[1]} == {i: f"t{50 + i}" for i in range(5)}
     assert not fake.running and not serving.server.streams
+
+
+def test_the_engine_takes_the_older_task_s_requests_first_and_the_newer_one_s_fill_its_tail():
+    fake = FakeLLM()
+    serving = Serving(fake, start_loop=False)
+    serving.server.backlog = 4  # requests kept in the engine (2 x max_num_seqs in a real one)
+    older, newer = [request(t) for t in range(10, 16)], [request(t) for t in range(50, 56)]
+    threads, results, errors = streams_at_once(serving, [older])
+    wait_for_inbox(serving.server, 1)
+    more, more_results, more_errors = streams_at_once(serving, [newer])
+    wait_for_inbox(serving.server, 2)
+    serving.loop.start()
+    for t in threads + more:
+        t.join(60)
+    assert errors == more_errors == [None]
+    assert fake.added == list(range(10, 16)) + list(range(50, 56))  # in order: the older task's, then the newer's
+    assert fake.max_running == 4 and fake.mixed  # never more than the backlog; the newer filled the older's tail
+    assert len(results[0]) == len(more_results[0]) == 6
 
 
 def test_a_failed_step_isolates_both_tasks_requests_and_answers_each_its_own():
