@@ -10,9 +10,12 @@
 Same model, engine settings, requests, cores and torch threads per engine (``--threads``, default 1: what vLLM
 serves with when OMP_NUM_THREADS is unset) for all three ((a) and (b): one engine; (c): ``--slots`` engines,
 ``--slots 1`` for one engine as the others). Prints a table and the ratios ``vs_raw=`` (spark_llm wall / raw
-wall) and ``vs_run_batch=`` (run_batch wall / spark_llm wall; above 1 means spark_llm is faster).
+wall) and ``vs_run_batch=`` (run_batch wall / spark_llm wall; above 1 means spark_llm is faster). With
+``--repeat N`` (b) and (c) run N times in turn (b, c, b, c ...: a noisy machine drifts alike for both), the walls are
+the medians and ``vs_run_batch`` the median of the N pairs' ratios.
 
     python scripts/bench_peers.py --requests 2000                    # CPU, tiny model built on the fly
+    python scripts/bench_peers.py --requests 15 --slots 1 --repeat 3 --skip raw   # the smoke test, three pairs
     python scripts/bench_peers.py --requests 20000 --mix gen         # short, medium and long prompts
     # on a GPU node (ordinary vllm installed), an 8B model:
     python scripts/bench_peers.py --model /models/llama-3.1-8b --requests 20000 --max-num-seqs 256 \\
@@ -26,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,6 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per engine (OMP_NUM_THREADS); vLLM serves with 1 when it is unset, as (a) and (b) run")
     p.add_argument("--skip", choices=["raw", "run_batch", "spark_llm"], action="append", default=[])
+    p.add_argument("--repeat", type=int, default=1, help="runs of (b) and (c), in turn; medians are reported")
     p.add_argument("--keep", action="store_true", help="keep the work directory (the input, outputs and logs)")
     args = p.parse_args(argv)
     from spark_llm.engine import apply_worker_env
@@ -125,29 +130,37 @@ def main(argv=None) -> int:
     if "raw" not in args.skip:
         wall, tokens = raw_generate(model, input_path, engine, args.max_tokens)
         results["raw"] = (wall, f"{tokens / wall:.0f}")
-    if "run_batch" not in args.skip:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(input_path),
-               "-o", str(work / "run_batch.out.jsonl"), "--model", model, "--served-model-name", name,
-               "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-               "--max-model-len", str(args.max_model_len), "--seed", "0"]
-        if args.enforce_eager:
-            cmd.append("--enforce-eager")
-        results["run_batch"] = (timed(cmd, env, work / "run_batch.log"), "-")
-    if "spark_llm" not in args.skip:
-        threads = args.threads
-        cmd = [str(Path(sys.executable).parent / "spark-llm"), "run", "--input", str(input_path),
-               "--output-dir", str(work / "spark_llm_out"), "--model", model, "--batch-id", "peers",
-               "--master", args.master, "--num-task-slots", str(args.slots), "--dtype", args.dtype,
-               "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-               "--default-max-tokens", str(args.max_tokens)]
-        cmd.append("--enforce-eager" if args.enforce_eager else "--no-enforce-eager")
-        conf = work / "peers.yaml"  # the session's settings (a YAML file's spark: section)
-        conf.write_text(f"spark:\n  spark.executorEnv.OMP_NUM_THREADS: '{threads}'\n  spark.ui.enabled: 'false'\n")
-        wall = timed(cmd + ["--config", str(conf)], env, work / "spark_llm.log")
-        batch = json.loads((work / "spark_llm_out" / "batch.json").read_text())
-        tokens = batch["usage"]["total_tokens"]
+    walls: dict[str, list[float]] = {"run_batch": [], "spark_llm": []}
+    tokens = 0
+    for n in range(args.repeat):
+        if "run_batch" not in args.skip:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(input_path),
+                   "-o", str(work / f"run_batch.{n}.out.jsonl"), "--model", model, "--served-model-name", name,
+                   "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+                   "--max-model-len", str(args.max_model_len), "--seed", "0"]
+            if args.enforce_eager:
+                cmd.append("--enforce-eager")
+            walls["run_batch"].append(timed(cmd, env, work / f"run_batch.{n}.log"))
+        if "spark_llm" not in args.skip:
+            out = work / f"spark_llm_out.{n}"
+            cmd = [str(Path(sys.executable).parent / "spark-llm"), "run", "--input", str(input_path),
+                   "--output-dir", str(out), "--model", model, "--batch-id", "peers",
+                   "--master", args.master, "--num-task-slots", str(args.slots), "--dtype", args.dtype,
+                   "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+                   "--default-max-tokens", str(args.max_tokens)]
+            cmd.append("--enforce-eager" if args.enforce_eager else "--no-enforce-eager")
+            conf = work / "peers.yaml"  # the session's settings (a YAML file's spark: section)
+            conf.write_text(f"spark:\n  spark.executorEnv.OMP_NUM_THREADS: '{args.threads}'\n"
+                            f"  spark.ui.enabled: 'false'\n")
+            walls["spark_llm"].append(timed(cmd + ["--config", str(conf)], env, work / f"spark_llm.{n}.log"))
+            batch = json.loads((out / "batch.json").read_text())
+            tokens = batch["usage"]["total_tokens"]
+            print(f"busy_fraction={batch['partition_plan'].get('busy_fraction')}")
+    if walls["run_batch"]:
+        results["run_batch"] = (statistics.median(walls["run_batch"]), "-")
+    if walls["spark_llm"]:
+        wall = statistics.median(walls["spark_llm"])
         results["spark_llm"] = (wall, f"{tokens / wall:.0f}")
-        print(f"busy_fraction={batch['partition_plan'].get('busy_fraction')}")
 
     print(f"requests={args.requests} mix={args.mix} max_tokens={args.max_tokens} model={name} "
           f"cores={os.cpu_count()}" + (f" work={work}" if args.keep else ""))
@@ -159,7 +172,11 @@ def main(argv=None) -> int:
     if "spark_llm" in results and "raw" in results:
         print(f"vs_raw={results['spark_llm'][0] / results['raw'][0]:.3f}")
     if "spark_llm" in results and "run_batch" in results:
-        print(f"vs_run_batch={results['run_batch'][0] / results['spark_llm'][0]:.3f}")
+        ratios = [b / c for b, c in zip(walls["run_batch"], walls["spark_llm"])]
+        if args.repeat > 1:
+            print("pairs (run_batch s, spark_llm s): " + ", ".join(
+                f"({b:.1f}, {c:.1f})" for b, c in zip(walls["run_batch"], walls["spark_llm"])))
+        print(f"vs_run_batch={statistics.median(ratios):.3f}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import types
 from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin
@@ -141,6 +142,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"spark-llm: error: {exc}", file=sys.stderr)
             return 2
         return 0
+    if not planning and not args.remote and "PYSPARK_GATEWAY_PORT" not in os.environ:
+        from .waves import prestart_before_session
+
+        prestart_before_session(config, spark_conf, args.master)  # a local[N] session: engines load meanwhile
     spark = get_session(master=args.master, conf=spark_conf, remote=args.remote)
     try:
         if planning:
@@ -172,7 +177,8 @@ def _plans_locally(args: argparse.Namespace, config: BatchConfig) -> bool:
     starting Spark (see :func:`~spark_llm.plan.plan_local`)."""
     import os
 
-    from .plan import LOCAL_PLAN_BYTES, local_input_bytes
+    from .plan import LOCAL_PLAN_BYTES
+    from .read import local_input_bytes
 
     if args.remote or "PYSPARK_GATEWAY_PORT" in os.environ or not (args.master or "local").startswith("local"):
         return False

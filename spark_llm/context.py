@@ -17,7 +17,7 @@ from pyspark.sql import SparkSession
 
 from . import storage
 from .config import BatchConfig
-from .engine import EngineLayout, engine_layout, inference_profile, resolve, resolve_models
+from .engine import EngineLayout, config_layout, inference_profile, resolve, resolve_models
 from .metrics import ListParam
 from .session import default_parallelism, is_connect, local_task_threads, spark_conf
 
@@ -92,9 +92,7 @@ class RunContext:
     def layout(self) -> EngineLayout:
         """The engines of this model (``cfg``) and the tasks that feed them (see engine.engine_layout)."""
         conf = spark_conf(self.spark)
-        return engine_layout(conf, engines=self.cfg.num_task_slots, tasks_per_engine=self.cfg.tasks_per_engine,
-                             tensor_parallel_size=self.cfg.tensor_parallel_size,
-                             parallelism=lambda: default_parallelism(self.spark), local_threads=local_task_threads(conf))
+        return config_layout(self.cfg, conf, lambda: default_parallelism(self.spark), local_task_threads(conf))
 
     @property
     def gpu_profile(self) -> Any:

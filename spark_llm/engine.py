@@ -280,6 +280,14 @@ def has_gpus(spark_conf: dict[str, str]) -> bool:
     return _amount(spark_conf, "spark.executor.resource.gpu.amount") > 0
 
 
+def config_layout(cfg: BatchConfig, spark_conf: Mapping[str, str], parallelism: Callable[[], int],
+                  local_threads: Optional[int]) -> EngineLayout:
+    """:func:`engine_layout` of model ``cfg`` in a session with settings ``spark_conf``."""
+    return engine_layout(spark_conf, engines=cfg.num_task_slots, tasks_per_engine=cfg.tasks_per_engine,
+                         tensor_parallel_size=cfg.tensor_parallel_size, parallelism=parallelism,
+                         local_threads=local_threads)
+
+
 def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int, feeds: int = 1) -> Any:
     """The ResourceProfile of the inference stage: ``tensor_parallel_size`` GPUs per task, or 1/``feeds`` of one GPU
     (that many tasks feeding its engine), so that only that stage asks for GPUs (Spark's stage-level scheduling);

@@ -52,6 +52,10 @@ from .errors import EngineStartError
 log = logging.getLogger(__name__)
 
 ENGINE_DIR_ENV = "SPARK_LLM_ENGINE_DIR"
+#: Given by a local session spark_llm starts itself (a ``local[N]`` master: its driver's JVM is the only executor) to
+#: its JVM, and so to its Python workers: the driver's pid, by which the executor's CPU engines are named rather than
+#: by the JVM's pid, so that ``spark-llm run`` can start them loading before the JVM exists.
+LOCAL_EXECUTOR_ENV = "SPARK_LLM_LOCAL_EXECUTOR"
 _START_TIMEOUT_S = 1800.0   # an 8B model with CUDA graphs takes minutes; a 70B one longer
 #: Requests per message of a streamed call: the engine starts on the first chunk while the rest are on their way.
 STREAM_CHUNK = 256
@@ -163,9 +167,9 @@ class Slot:
 
     @classmethod
     def cpu(cls, n: int, executor: Optional[int] = None) -> "Slot":
-        """CPU slot ``n`` of this executor, or of the executor JVM ``executor`` (executors sharing a host never
-        share a CPU engine)."""
-        return cls(f"cpu-{executor or executor_pid()}-{n}")
+        """CPU slot ``n`` of this executor, or of executor ``executor`` (:func:`executor_id`; executors sharing a
+        host never share a CPU engine)."""
+        return cls(f"cpu-{executor or executor_id()}-{n}")
 
     def path(self, suffix: str) -> Path:
         return engine_dir() / f"{self.name}{suffix}"
@@ -388,7 +392,7 @@ def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSetting
     else holds the slot's devices first); a feed of the slot is held until the block ends (see :func:`hold_feed`
     for ``cpu_slots`` and ``feeds``). An engine that could not start for these settings on this executor during run
     ``run_id`` is not tried again in that run."""
-    failed = engine_dir() / f"start-failed-{executor_pid()}-{spec.key}-{run_id}.txt"
+    failed = engine_dir() / f"start-failed-{executor_id()}-{spec.key}-{run_id}.txt"
     if failed.exists():  # a retried task of the run: the same settings failed here already, do not load again
         raise EngineStartError(failed.read_text())
     with hold_feed(gpus, cpu_slots, feeds) as feed:
@@ -485,6 +489,13 @@ def stop_engines_on(slot: Slot) -> None:
             time.sleep(0.2)
         if process_alive(info["pid"]):
             os.kill(info["pid"], signal.SIGKILL)
+
+
+def executor_id() -> int:
+    """The executor this process serves, as its engines are named: a local session's driver
+    (:data:`LOCAL_EXECUTOR_ENV`), else the executor's JVM (:func:`executor_pid`)."""
+    named = os.environ.get(LOCAL_EXECUTOR_ENV, "")
+    return int(named) if named.isdigit() else executor_pid()
 
 
 def executor_pid() -> int:

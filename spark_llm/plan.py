@@ -22,10 +22,10 @@ from pyspark.sql import functions as F
 from . import storage
 from .config import BatchConfig, ConfigError
 from .context import RunPaths
-from .engine import EngineLayout, check_adapters, engine_layout, resolve, resolve_models
+from .engine import EngineLayout, check_adapters, config_layout, resolve, resolve_models
 from .partition import num_partitions
 from .prepare import prepare
-from .session import LOCAL_DEFAULTS, default_parallelism, local_task_threads, spark_conf
+from .session import default_parallelism, local_parallelism, local_session_conf, local_task_threads, spark_conf
 
 
 @dataclass(frozen=True)
@@ -103,15 +103,8 @@ def plan_batch(spark: SparkSession, config: BatchConfig, tokens_per_second: Opti
     groups = [Group(r["model"], r["error_code"], int(r["n"]), int(r["prompt"] or 0), int(r["est"] or 0))
               for r in rows]
     conf = spark_conf(spark)
-    return _plan(groups, models, lambda m: layout_of(m, conf, lambda: default_parallelism(spark)),
-                 tokens_per_second, source)
-
-
-def layout_of(cfg: BatchConfig, conf: Mapping[str, str], parallelism: Callable[[], int]) -> EngineLayout:
-    """The engines a run of model ``cfg`` would use in a session with settings ``conf``."""
-    return engine_layout(conf, engines=cfg.num_task_slots, tasks_per_engine=cfg.tasks_per_engine,
-                         tensor_parallel_size=cfg.tensor_parallel_size, parallelism=parallelism,
-                         local_threads=local_task_threads(conf))
+    return _plan(groups, models, lambda m: config_layout(m, conf, lambda: default_parallelism(spark),
+                                                         local_task_threads(conf)), tokens_per_second, source)
 
 
 #: Largest input the dry run reads in its own process (:func:`plan_local`); a larger one is planned on Spark,
@@ -132,21 +125,11 @@ def plan_local(config: BatchConfig, master: Optional[str] = None, tokens_per_sec
     if tokens_per_second is None and models[0].output_dir:
         tokens_per_second = _batch_json_tokens_per_second(RunPaths.from_config(models[0]).batch_file)
         source = "measured by earlier runs"
-    conf = {**LOCAL_DEFAULTS, **dict(settings or {}), "spark.master": master or "local[2]"}
-    threads = local_cores(conf["spark.master"])
+    local_cores(master or "local[2]")  # a local master, or one clear message
+    conf = local_session_conf(master, settings)
     groups = [Group(**g) for g in local_groups(models)]
-    return _plan(groups, models, lambda m: layout_of(m, conf, lambda: int(conf.get("spark.default.parallelism")
-                                                                         or threads)),
-                 tokens_per_second, source)
-
-
-def local_input_bytes(config: BatchConfig) -> Optional[int]:
-    """Bytes of the input when :func:`plan_local` can plan it: JSONL files (not compressed) on this machine, not a
-    Delta table or a catalog table; else None."""
-    from .read import local_files, local_path
-
-    files = local_files(config.input) if config.input and not config.input_table else None
-    return sum(os.path.getsize(local_path(f)) for f in files) if files else None
+    return _plan(groups, models, lambda m: config_layout(m, conf, lambda: local_parallelism(conf),
+                                                         local_task_threads(conf)), tokens_per_second, source)
 
 
 def local_cores(master: str) -> int:

@@ -3,12 +3,17 @@
 Everything before inference that looks at single requests: reading (:mod:`~spark_llm.read`), validation
 (:mod:`~spark_llm.validate`), duplicate ``custom_id``\\ s, token counting (:mod:`~spark_llm.tokens`) and the stable
 per-line ids the result tables are keyed by. Rows that fail anywhere carry ``error_code``; none are dropped.
+
+On Spark's executors, or, for a small JSONL input on this machine in a local session (:data:`LOCAL_PREPARE_BYTES`),
+in the driver's own process with the same functions over pandas, a chunk of lines at a time, the rows then handed
+to Spark as one Arrow table: a few Python workers starting cold and the JVM's first jobs cost a small batch more
+than its work does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -21,10 +26,23 @@ from .tokens import TokenContext, count_batches
 from .validate import ValidationContext, validate_batches
 
 
+#: Largest input (bytes of JSONL files on this machine) a local session prepares in the driver's process
+#: (:func:`prepares_in_process`). Its rows pass through the driver on their way to Spark, so the bound is small; a
+#: 15-line batch's prepare stage took 16 s as Spark jobs here, beside a loading engine.
+LOCAL_PREPARE_BYTES = 8 << 20
+
+
 def prepare(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
     """Every non-blank input line as one row: a request with its prompt token ids and the model it runs on, or an
     error. ``models``: the batch's models as resolved configs, the main one first
     (:func:`~spark_llm.engine.resolve_models`); the ids depend on their batch_id."""
+    if prepares_in_process(spark, models[0]):
+        return prepare_in_process(spark, models)
+    return prepare_on_spark(spark, models)
+
+
+def prepare_on_spark(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
+    """:func:`prepare` as Spark jobs: each stage a ``mapInPandas`` over the raw lines on the executors."""
     cfg = models[0]
     vctx = ValidationContext.of_models(models)
     tctx = {m.served_model_name: config_view(TokenContext, m) for m in models}
@@ -35,43 +53,84 @@ def prepare(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
     return with_line_ids(tokenized, cfg.batch_id or "")
 
 
-def local_groups(models: Sequence[BatchConfig]) -> list[dict]:
-    """:func:`prepare` of local JSONL files (:func:`~spark_llm.read.local_files`) in this process, for the dry run:
-    the same validation, duplicate and token-counting rules, a chunk of lines at a time (only the custom_ids seen
-    are kept); returns per model and error code (None: the requests that would run) the rows and their prompt and
-    estimated tokens."""
+def prepares_in_process(spark: SparkSession, cfg: BatchConfig) -> bool:
+    """The run's input is prepared in this process (:func:`prepare_in_process`): a classic local session (its
+    executor is this machine) and JSONL files on this machine of at most :data:`LOCAL_PREPARE_BYTES`."""
+    from .read import local_input_bytes
+    from .session import is_connect, is_local_master, spark_conf
+
+    if cfg.input_table or is_connect(spark) or not is_local_master(spark_conf(spark)):
+        return False
+    size = local_input_bytes(cfg)
+    return size is not None and size <= LOCAL_PREPARE_BYTES
+
+
+def prepare_in_process(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
+    """:func:`prepare` of a small local input in this process (:func:`prepared_chunks`), handed to Spark as one
+    Arrow table; the same rows, in the same schema, as Spark's executors make."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    schema = to_arrow_schema(TOKENIZED_SCHEMA)
+    chunks = [pa.Table.from_pandas(pdf[list(TOKENIZED_SCHEMA.fieldNames())], schema=schema, preserve_index=False)
+              for pdf in prepared_chunks(models)]
+    table = pa.concat_tables(chunks) if chunks else schema.empty_table()
+    return with_line_ids(spark.createDataFrame(table, TOKENIZED_SCHEMA), models[0].batch_id or "")
+
+
+def prepared_chunks(models: Sequence[BatchConfig]) -> Iterator:
+    """The token stage's rows of local JSONL files (:func:`~spark_llm.read.local_files`), computed in this process:
+    the same reading, validation, duplicate and token-counting functions as :func:`prepare`'s Spark jobs, over
+    pandas, a chunk of lines at a time (only the first line of each custom_id is kept in memory)."""
     from .read import local_files, local_lines
 
     cfg = models[0]
     vctx = ValidationContext.of_models(models)
     tctx = {m.served_model_name: config_view(TokenContext, m) for m in models}
-    seen: set[str] = set()
-    groups: dict[tuple, list[int]] = {}
+    first: dict[str, tuple[str, int]] = {}
     for lines in local_lines(local_files(cfg.input or "") or [], cfg.max_line_bytes):
         for validated in validate_batches(iter([lines]), vctx):
-            mark_duplicates_in_order(validated, seen)
-            for counted in count_batches(iter([validated]), tctx):
-                for model, code, prompt, est in zip(counted["model"], counted["error_code"],
-                                                    counted["prompt_tokens"], counted["est_tokens"]):
-                    g = groups.setdefault((model, code), [0, 0, 0])
-                    g[0] += 1
-                    g[1] += 0 if code is not None or prompt is None else int(prompt)
-                    g[2] += 0 if code is not None or est is None else int(est)
+            mark_duplicates_in_order(validated, first)
+            yield from count_batches(iter([validated]), tctx)
+
+
+def local_groups(models: Sequence[BatchConfig]) -> list[dict]:
+    """:func:`prepare` of local JSONL files in this process, for the dry run (:func:`prepared_chunks`); returns per
+    model and error code (None: the requests that would run) the rows and their prompt and estimated tokens."""
+    groups: dict[tuple, list[int]] = {}
+    for counted in prepared_chunks(models):
+        for model, code, prompt, est in zip(counted["model"], counted["error_code"], counted["prompt_tokens"],
+                                            counted["est_tokens"]):
+            g = groups.setdefault((model, code), [0, 0, 0])
+            g[0] += 1
+            g[1] += 0 if code is not None or prompt is None else int(prompt)
+            g[2] += 0 if code is not None or est is None else int(est)
     return [{"model": m, "error_code": c, "rows": n, "prompt_tokens": p, "est_tokens": e}
             for (m, c), (n, p, e) in groups.items()]
 
 
-def mark_duplicates_in_order(pdf, seen: set[str]) -> None:
-    """:func:`mark_duplicates` for lines that come in (file, line number) order: a line claiming a custom_id in
-    ``seen`` is a duplicate (in place); the others add theirs to ``seen``."""
-    codes = pdf.columns.get_loc("error_code")
-    for i, (cid, code) in enumerate(zip(pdf["custom_id"], pdf["error_code"])):
+def mark_duplicates_in_order(pdf, first: dict[str, tuple[str, int]]) -> None:
+    """:func:`mark_duplicates` for lines that come in (file, line number) order, in place: a line claiming a
+    custom_id in ``first`` (custom_id -> its first line's file and number) becomes a duplicate that names that line,
+    as :func:`mark_duplicates` words it; the others add theirs."""
+    cols = {c: pdf.columns.get_loc(c) for c in ("error_code", "error_message", "raw_line")}
+    for i, (cid, code, file, line, raw, request) in enumerate(zip(
+            pdf["custom_id"], pdf["error_code"], pdf["file"], pdf["line_number"], pdf["raw_line"], pdf["request"])):
         if cid is None or code in LINE_LEVEL_CODES:
             continue
-        if cid in seen:
-            pdf.iat[i, codes] = ErrorCode.DUPLICATE_CUSTOM_ID.value
-        else:
-            seen.add(cid)
+        if cid not in first:
+            first[cid] = (file, int(line))
+            continue
+        first_file, first_line = first[cid]
+        pdf.iat[i, cols["error_code"]] = ErrorCode.DUPLICATE_CUSTOM_ID.value
+        pdf.iat[i, cols["error_message"]] = duplicate_message(first_line, first_file, file)
+        pdf.iat[i, cols["raw_line"]] = raw if raw is not None else request
+
+
+def duplicate_message(first_line: int, first_file: str, file: str) -> str:
+    """The message of a duplicate_custom_id row (:func:`mark_duplicates` builds the same text in Spark)."""
+    where = f" of {first_file}" if first_file != file else ""
+    return f"custom_id is already used by line {first_line}{where}; only the first occurrence runs"
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,13 @@ def local_files(path: str) -> Optional[list[str]]:
     return sorted(_hadoop_uri(f) for f in files)
 
 
+def local_input_bytes(config) -> Optional[int]:
+    """Bytes of the input when :func:`plan_local` can plan it: JSONL files (not compressed) on this machine, not a
+    Delta table or a catalog table; else None."""
+    files = local_files(config.input) if config.input and not config.input_table else None
+    return sum(os.path.getsize(local_path(f)) for f in files) if files else None
+
+
 def local_path(uri: str) -> str:
     """The path on this machine of a :func:`local_files` URI."""
     return urllib.parse.unquote(uri[len("file:"):])

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping, Optional
 from pyspark.sql import SparkSession
 
 from .engine import apply_worker_env
-from .engine_service import process_alive
+from .engine_service import LOCAL_EXECUTOR_ENV, process_alive
 from .quarantine import RECOMMENDED_TASK_ATTEMPTS
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,7 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     from delta import configure_spark_with_delta_pip
 
     # Local mode: the workers are children of this process and inherit its environment, read when Spark starts.
-    apply_worker_env()
-    for key, value in LOCAL_ENV.items():
-        os.environ.setdefault(key, value)
+    set_local_environment()
 
     settings = {**LOCAL_DEFAULTS, **DELTA_CONF, "spark.pyspark.python": sys.executable,
                 "spark.pyspark.driver.python": sys.executable, **dict(conf or {})}
@@ -110,12 +108,56 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
         warnings.simplefilter("ignore", UserWarning)
         packages = [p for p in settings.get("spark.jars.packages", "").split(",") if p]
-        spark = (builder if recorded else configure_spark_with_delta_pip(builder, packages)).getOrCreate()
+        with _naming_local_executor(remote or master or "local[2]") as named:
+            spark = (builder if recorded else configure_spark_with_delta_pip(builder, packages)).getOrCreate()
+        if named and not remote:
+            _NAMED_EXECUTORS[spark.sparkContext.applicationId] = named
     if only_delta and not recorded:
         _record_delta_jars(spark.conf.get("spark.jars", "") or "")
     if not remote:
         spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def set_local_environment() -> None:
+    """This process's environment for a local session it is about to start (its JVM and Python workers inherit it):
+    the engines' (:func:`~spark_llm.engine.apply_worker_env`) and :data:`LOCAL_ENV`, where not set."""
+    apply_worker_env()
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+#: Application id -> executor name (this process's pid) of the local sessions this process started with its engines
+#: named by it (:func:`_naming_local_executor`).
+_NAMED_EXECUTORS: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def _naming_local_executor(master: str) -> Iterator[Optional[int]]:
+    """While a ``local[N]`` session's JVM is launched from this process: :data:`LOCAL_EXECUTOR_ENV` set to this
+    process, for the JVM and its Python workers to inherit, then restored, so that no process this one starts later
+    inherits it (yields the name, or None when the session's executor is not named so: another master, or a JVM this
+    process launched before, which keeps the environment it started with)."""
+    from pyspark import SparkContext
+
+    if not is_local_master({"spark.master": master}) or SparkContext._gateway is not None:
+        yield None
+        return
+    previous = os.environ.get(LOCAL_EXECUTOR_ENV)
+    os.environ[LOCAL_EXECUTOR_ENV] = str(os.getpid())
+    try:
+        yield os.getpid()
+    finally:
+        if previous is None:
+            os.environ.pop(LOCAL_EXECUTOR_ENV, None)
+        else:
+            os.environ[LOCAL_EXECUTOR_ENV] = previous
+
+
+def local_executor(spark: SparkSession) -> int:
+    """The executor of a classic local session as its engines are named: this process, when it started the session
+    with its engines named so (:func:`_naming_local_executor`), else the session's JVM."""
+    return _NAMED_EXECUTORS.get(spark.sparkContext.applicationId) or jvm_pid(spark)
 
 
 def _cache() -> Path:
@@ -257,6 +299,17 @@ def jvm_pid(spark: SparkSession) -> int:
 def is_local_master(spark_conf: Mapping[str, str]) -> bool:
     """The session runs in one process (``local``, ``local[N]``, ``local[N,F]``): its executor is on this host."""
     return re.fullmatch(r"local(\[[^\]]*\])?", spark_conf.get("spark.master", "").strip()) is not None
+
+
+def local_session_conf(master: Optional[str], settings: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The settings of the local session :func:`get_session` would start for ``master`` and the config's ``spark:``
+    ``settings`` (before it starts; the cluster's own are not known then)."""
+    return {**LOCAL_DEFAULTS, **dict(settings or {}), "spark.master": with_task_retries(master or "local[2]")}
+
+
+def local_parallelism(spark_conf: Mapping[str, str]) -> int:
+    """The default parallelism of a local session with these settings (``SparkContext.defaultParallelism``)."""
+    return int(spark_conf.get("spark.default.parallelism") or local_task_threads(spark_conf) or 1)
 
 
 def local_task_threads(spark_conf: Mapping[str, str]) -> Optional[int]:

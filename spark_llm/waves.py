@@ -18,10 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -29,8 +30,8 @@ from pyspark.sql import functions as F
 from . import faults, storage, write
 from .background import SparkJobInBackground
 from .context import RunContext
-from .config import config_view
-from .engine import EngineSpec, has_gpus, inference_profile
+from .config import BatchConfig, config_view
+from .engine import EngineSpec, config_layout, has_gpus, inference_profile, resolve
 from .engine_service import Executor, ProcessSettings, Slot, prestart
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, prestart_partition, warm_partition
@@ -38,7 +39,8 @@ from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_partitions
 from .prepare import Outcomes
 from .schemas import RESULT_SCHEMA
-from .session import (FIRST_POOL, WAVES_POOL, is_connect, is_local_master, jvm_pid, local_worker_env, scheduler_pool,
+from .session import (FIRST_POOL, WAVES_POOL, is_connect, is_local_master, local_executor, local_parallelism,
+                      local_session_conf, local_task_threads, local_worker_env, scheduler_pool, set_local_environment,
                       spark_conf)
 
 log = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
     the driver call into its JVM, say): the warm-up job does it then."""
     try:
         ictx = _infer_context(run, Numbering())
-        executor = Executor(jvm_pid(run.spark), local_worker_env(conf))
+        executor = Executor(local_executor(run.spark), local_worker_env(conf))
         slots = [Slot.cpu(n, executor.pid) for n in range(ictx.cpu_slots or 1)]
         for slot in slots:
             prestart(ictx.engine, ictx.process, slot, executor)
@@ -160,6 +162,28 @@ def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
         log.info("batch %s: the engines start from a warm-up job (%s)", run.batch_id, exc)
         return False
     log.info("batch %s: engines loading on %s", run.batch_id, ", ".join(s.name for s in slots))
+    return True
+
+
+def prestart_before_session(config: BatchConfig, settings: Mapping[str, str], master: Optional[str]) -> bool:
+    """``spark-llm run`` on a ``local[N]`` master it starts itself: the main model's CPU engines start loading
+    before the session's JVM does (the JVM, Delta and the first jobs take seconds a loading engine can use), named by
+    this process, as the session will name its executor (:data:`~spark_llm.engine_service.LOCAL_EXECUTOR_ENV`), and
+    ending with it. The run's warm-up (:func:`prestart_here`) finds them starting; a head start only: False, and
+    nothing started, when the settings do not resolve here (the run says why) or the session is not of that kind."""
+    conf = local_session_conf(master, settings)
+    if not is_local_master(conf) or has_gpus(conf):
+        return False
+    try:
+        cfg = resolve(config)
+    except Exception:  # the run reports bad settings with its own message
+        return False
+    set_local_environment()  # the environment the session's JVM and Python workers will have
+    executor = Executor(os.getpid(), local_worker_env(conf))
+    layout = config_layout(cfg, conf, lambda: local_parallelism(conf), local_task_threads(conf))
+    spec, process = EngineSpec.from_config(cfg), config_view(ProcessSettings, cfg)
+    for n in range(layout.cpu_slots or 1):
+        prestart(spec, process, Slot.cpu(n, executor.pid), executor)
     return True
 
 

@@ -538,13 +538,58 @@ def test_the_local_warm_up_starts_each_slot_s_engine_from_the_driver_or_leaves_i
         cpu_slots=2, engine="the-spec", process="the-process"))
     started = []
     monkeypatch.setattr(waves, "prestart", lambda spec, process, slot, executor: started.append((slot, executor)))
-    monkeypatch.setattr(waves, "jvm_pid", lambda spark: 31337)
+    monkeypatch.setattr(waves, "local_executor", lambda spark: 31337)
     assert waves.prestart_here(run, {"spark.executorEnv.OMP_NUM_THREADS": "3"})
     assert [slot for slot, _ in started] == [Slot("cpu-31337-0"), Slot("cpu-31337-1")]
     assert all(isinstance(e, Executor) and e.pid == 31337 and e.environ["OMP_NUM_THREADS"] == "3" for _, e in started)
 
     def no_jvm(spark):  # a driver not allowed to call into its JVM (py4j security on a shared cluster, say)
         raise RuntimeError("py4j: class java.lang.ProcessHandle is not allowed")
-    monkeypatch.setattr(waves, "jvm_pid", no_jvm)
+    monkeypatch.setattr(waves, "local_executor", no_jvm)
     started.clear()
     assert not waves.prestart_here(run, {}) and not started  # the warm-up job starts them instead
+
+
+def test_spark_llm_run_starts_a_local_session_s_engines_before_its_jvm_named_by_the_driver(monkeypatch, tiny_model):
+    import os
+
+    from spark_llm import waves
+    from spark_llm.engine import EngineSpec, resolve
+    from spark_llm.engine_service import Executor, Slot
+
+    started = []
+    monkeypatch.setattr(waves, "prestart", lambda spec, process, slot, executor: started.append((spec, slot, executor)))
+    cfg = BatchConfig(model=tiny_model, served_model_name="tiny-llm", max_model_len=1024, input="x",
+                      output_dir="y", batch_id="b")
+    assert waves.prestart_before_session(cfg, {"spark.executorEnv.OMP_NUM_THREADS": "3"}, "local[4]")
+    pid = os.getpid()  # the executor the session will name its engines by (its driver)
+    assert [slot for _, slot, _ in started] == [Slot(f"cpu-{pid}-0"), Slot(f"cpu-{pid}-1")]  # the default 2 engines
+    assert all(isinstance(e, Executor) and e.pid == pid and e.environ["OMP_NUM_THREADS"] == "3" for _, _, e in started)
+    assert {spec.key for spec, _, _ in started} == {EngineSpec.from_config(resolve(cfg)).key}  # the run's engine
+    started.clear()
+    for master in ("local-cluster[2,1,1024]", "yarn"):  # executors of their own: nothing to start from here
+        assert not waves.prestart_before_session(cfg, {}, master) and not started
+    # settings that do not resolve (no model directory to read the context length from): the run says why
+    unresolved = cfg.model_copy(update={"model": "/no/such/model", "max_model_len": None})
+    assert not waves.prestart_before_session(unresolved, {}, "local[2]") and not started
+
+
+def test_a_local_session_names_its_executor_by_its_driver_only_while_its_jvm_starts(monkeypatch):
+    import os
+
+    from pyspark import SparkContext
+
+    from spark_llm.engine_service import LOCAL_EXECUTOR_ENV, executor_id
+    from spark_llm.session import _naming_local_executor
+
+    monkeypatch.setattr(SparkContext, "_gateway", None)  # no JVM launched by this process yet
+    monkeypatch.delenv(LOCAL_EXECUTOR_ENV, raising=False)
+    with _naming_local_executor("local[4]") as named:
+        assert named == os.getpid() and os.environ[LOCAL_EXECUTOR_ENV] == str(os.getpid())
+        assert executor_id() == os.getpid()  # what the JVM's Python workers will name its engines by
+    assert LOCAL_EXECUTOR_ENV not in os.environ  # processes started later (spark-submit, a drill) do not inherit it
+    with _naming_local_executor("local-cluster[2,1,1024]") as named:  # executors of their own
+        assert named is None and LOCAL_EXECUTOR_ENV not in os.environ
+    monkeypatch.setattr(SparkContext, "_gateway", object())  # a JVM this process launched before keeps its env
+    with _naming_local_executor("local[2]") as named:
+        assert named is None and LOCAL_EXECUTOR_ENV not in os.environ
