@@ -219,7 +219,7 @@ class EngineServer:
         flight: dict[str, _InFlight] = {}  # vLLM's request id -> the request in flight
         while True:
             try:
-                self._take(block=not flight and not self.queued)
+                self._take(block=not flight and not any(s.pending for s in self.queued))
                 self._drop_gone(flight)
                 self._feed(flight)
                 if not flight:
