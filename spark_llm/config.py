@@ -120,8 +120,9 @@ class BatchConfig(BaseModel):
         False, description="With resume: run again the requests whose earlier error was transient (engine_error).",
         json_schema_extra=group("output"))
     wave_partitions: Optional[int] = Field(
-        None, ge=1, description="Inference partitions per Delta commit. A crash loses at most the wave in flight; "
-        "smaller waves commit more often but leave GPUs idle at each wave's tail. Default: 2 x task slots.",
+        None, ge=1, description="Inference partitions per Delta commit. A crash loses at most the waves not yet "
+        "committed; smaller waves commit more often, at a Delta commit each (the engines do not wait for them: waves "
+        "overlap). Default: 2 x the inference tasks that run at once (engines x tasks_per_engine).",
         json_schema_extra=group("partitioning and waves"))
 
     progress_interval_seconds: float = Field(

@@ -108,7 +108,7 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
         warnings.simplefilter("ignore", UserWarning)
         packages = [p for p in settings.get("spark.jars.packages", "").split(",") if p]
-        with _naming_local_executor(remote or master or "local[2]") as named:
+        with _naming_local_executor(remote or settings.get("spark.master") or master or "local[2]") as named:
             spark = (builder if recorded else configure_spark_with_delta_pip(builder, packages)).getOrCreate()
         if named and not remote:
             _NAMED_EXECUTORS[spark.sparkContext.applicationId] = named
@@ -303,8 +303,8 @@ def is_local_master(spark_conf: Mapping[str, str]) -> bool:
 
 def local_session_conf(master: Optional[str], settings: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The settings of the local session :func:`get_session` would start for ``master`` and the config's ``spark:``
-    ``settings`` (before it starts; the cluster's own are not known then)."""
-    return {**LOCAL_DEFAULTS, **dict(settings or {}), "spark.master": with_task_retries(master or "local[2]")}
+    ``settings`` (before it starts; the cluster's own are not known then), which win over the master as there."""
+    return {**LOCAL_DEFAULTS, "spark.master": with_task_retries(master or "local[2]"), **dict(settings or {})}
 
 
 def local_parallelism(spark_conf: Mapping[str, str]) -> int:
