@@ -299,7 +299,7 @@ class EngineClient:
         t0 = time.monotonic()
         self.close()
         self.info, _, awaited = _serving(self.slot, self._spec, self._process, dead=self.info.get("pid"))
-        self._conn = _connect(self.slot, self.info)
+        self._conn = _connect_or_gone(self.slot, self.info)
         if awaited:
             self.rebuild_seconds += time.monotonic() - t0
         self.rebuilds += died
@@ -321,6 +321,8 @@ class EngineClient:
         task's last call; :class:`EngineDied` when it died during the call. ``sent()`` once every request of the
         call is on its way."""
         try:
+            if self._conn is None:
+                raise EOFError
             self._conn.send(("ping",))
             status, value = self._conn.recv()
         except (EOFError, OSError):
@@ -356,11 +358,17 @@ class EngineClient:
 
 
 def _read_info(slot: Slot) -> Optional[dict]:
+    """The slot's ready server's info, if its process is alive."""
+    info = _read_ready(slot)
+    return info if info is not None and process_alive(info.get("pid")) else None
+
+
+def _read_ready(slot: Slot) -> Optional[dict]:
+    """The info the slot's last server wrote when it became ready (``<slot>.json``), alive or not."""
     try:
-        info = json.loads(slot.path(".json").read_text())
+        return json.loads(slot.path(".json").read_text())
     except (OSError, ValueError):
         return None
-    return info if process_alive(info.get("pid")) else None
 
 
 def process_alive(pid: Any) -> bool:
@@ -384,6 +392,15 @@ def _connect(slot: Slot, info: dict) -> Any:
     return Client(str(slot.path(".sock")), family="AF_UNIX", authkey=info["authkey"].encode())
 
 
+def _connect_or_gone(slot: Slot, info: dict) -> Any:
+    """A connection to the server that was ready, or None when it has ended since (the slot's other feeder's first
+    request may have killed it): the task's first call finds it gone (:class:`EngineGone`) and starts the next."""
+    try:
+        return _connect(slot, info)
+    except (OSError, EOFError):
+        return None
+
+
 @contextlib.contextmanager
 def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSettings, run_id: str = "",
                cpu_slots: Optional[int] = None, feeds: int = 1) -> Iterator[EngineClient]:
@@ -402,7 +419,7 @@ def engine_for(spec: Any, gpus: Optional[Sequence[str]], process: ProcessSetting
         except EngineStartError as exc:
             failed.write_text(str(exc))
             raise
-        conn = _connect(feed.slot, info)
+        conn = _connect_or_gone(feed.slot, info)
         client = EngineClient(feed, info, started, time.monotonic() - t0 if awaited else 0.0, conn, spec, process)
         try:
             yield client
@@ -550,10 +567,12 @@ def _starting(slot: Slot) -> Optional[dict]:
 
 
 def _await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) -> dict:
-    """Wait until the slot's server ``pid`` is ready and return its info; its reason when it could not start."""
+    """Wait until the slot's server ``pid`` is ready and return its info; its reason when it could not start. A
+    server that became ready counts as started even when it has ended since (a request of the slot's other feeder
+    can kill it between two looks): the caller's first call finds it gone."""
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
-        info = _read_info(slot)
+        info = _read_ready(slot)
         if info is not None and info.get("pid") == pid:
             return info
         if (proc.poll() is not None) if proc is not None else not process_alive(pid):

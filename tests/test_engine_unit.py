@@ -529,6 +529,34 @@ def test_a_call_to_an_engine_that_has_ended_or_is_stopping_is_gone_not_a_death()
     assert client._conn.recv()[0] == "gone" and not serving.server.inbox.qsize()
 
 
+def test_a_feeder_awaiting_an_engine_that_was_ready_and_ended_at_once_finds_it_gone_not_failed_to_start(
+        tmp_path, monkeypatch):
+    """The slot's other feeder's first request can kill the engine between two looks of a feeder waiting for it
+    (the shared run's poison request did, in CI): that engine started, the waiting task must rebuild it, not fail
+    the run with 'could not start'."""
+    import subprocess
+    import sys
+
+    from spark_llm.engine_service import (ENGINE_DIR_ENV, EngineClient, EngineGone, Feed, Slot, _await_server,
+                                          _connect_or_gone, _write_private)
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    slot = Slot("cpu-test-0")
+    ready = subprocess.Popen([sys.executable, "-c", "pass"])
+    ready.wait()  # became ready (wrote its info), then ended
+    _write_private(slot.path(".json"), {"pid": ready.pid, "key": "k", "authkey": "x", "devices": []})
+    info = _await_server(slot, ready.pid)
+    assert info["pid"] == ready.pid
+    client = EngineClient(Feed(slot, 1, 2), info, False, _conn=_connect_or_gone(slot, info))
+    with pytest.raises(EngineGone, match="has ended"):
+        client.stream([request(10)], lambda i, r: None)
+
+    never = subprocess.Popen([sys.executable, "-c", "pass"])
+    never.wait()  # ended before it was ready: that one could not start
+    with pytest.raises(EngineStartError, match="exited"):
+        _await_server(slot, never.pid)
+
+
 def test_the_local_warm_up_starts_each_slot_s_engine_from_the_driver_or_leaves_it_to_the_warm_up_job(monkeypatch):
     from spark_llm import waves
     from spark_llm.engine_service import Executor, Slot
