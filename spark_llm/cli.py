@@ -143,9 +143,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
         return 0
     if not planning and not args.remote and "PYSPARK_GATEWAY_PORT" not in os.environ:
+        from .prepare import preload_tokenizers
         from .waves import prestart_before_session
 
-        prestart_before_session(config, spark_conf, args.master)  # a local[N] session: engines load meanwhile
+        if prestart_before_session(config, spark_conf, args.master):  # a local[N] session: engines load meanwhile,
+            preload_tokenizers(config)  # and a small input's tokenizers
     spark = get_session(master=args.master, conf=spark_conf, remote=args.remote)
     try:
         if planning:

@@ -98,16 +98,24 @@ def _partition_sums(df: DataFrame) -> dict[int, int]:
     return {int(r["pid"]): int(r["t"] or 0) for r in rows}
 
 
-def _segments(batches: Iterator, order: tuple[str, ...], offsets: dict[int, int], per_part: float,
-              parts: int) -> Iterator:
-    """mapInArrow body over the ordered cost line: each request's planned partition from the middle of its range,
-    and per (Arrow batch, planned partition) one row: the first request's order values, tokens and requests."""
-    import numpy as np
-    import pyarrow as pa
+def _task_segments(batches: Iterator, order: tuple[str, ...], offsets: dict[int, int], per_part: float,
+                   parts: int) -> Iterator:
+    """mapInArrow body over the ordered cost line, one piece of it per task: :func:`_segments` from where the
+    task's piece starts (``offsets``: the cost before each shuffle partition)."""
     from pyspark import TaskContext
 
     pid = TaskContext.get().partitionId()
-    start = offsets.get(pid, 0)
+    return _segments(batches, order, offsets.get(pid, 0), per_part, parts, pid)
+
+
+def _segments(batches: Iterator, order: tuple[str, ...], start: int, per_part: float, parts: int,
+              pid: int) -> Iterator:
+    """Over a piece of the ordered cost line starting at cost ``start``: each request's planned partition from the
+    middle of its range, and per (Arrow batch, planned partition) one row: the first request's order values, tokens
+    and requests (``_pid``: the piece)."""
+    import numpy as np
+    import pyarrow as pa
+
     for seq, batch in enumerate(batches):
         if not batch.num_rows:
             continue
@@ -165,9 +173,7 @@ def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col:
     The plan holds the order values where each partition starts, so :func:`assign` selects the same requests every
     time ``df`` is computed, whichever way Spark splits it. ``df`` is read again by every wave: pass a persisted
     frame."""
-    if order_col not in df.columns:
-        raise ValueError(f"plan_partitions orders requests by {order_col!r}, a column the frame does not have")
-    order = (PREFIX_COL, order_col) if prefix_aware and PREFIX_COL in df.columns else (order_col,)
+    order = _plan_order(df.columns, order_col, prefix_aware)
     shuffle_parts = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
     # a range shuffle of three narrow columns (one dominant prefix still spreads over many tasks, split by id);
     # persisted so that the sums and the segments see the same split
@@ -187,10 +193,42 @@ def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col:
                                T.StructField("_seq", T.LongType()),
                                *[line.schema[c] for c in order],
                                T.StructField("_tokens", T.LongType()), T.StructField("_requests", T.LongType())])
-        segments = line.mapInArrow(lambda it: _segments(it, order, offsets, per_part, parts), schema) \
+        segments = line.mapInArrow(lambda it: _task_segments(it, order, offsets, per_part, parts), schema) \
             .collect()  # a row per shuffle partition and planned partition: metadata
     finally:
         line.unpersist()
+    return _plan(segments, order, parts, total, target_tokens=target_tokens, slots=slots, engines=engines)
+
+
+def plan_in_process(table: Any, *, target_tokens: int, slots: int, order_col: str = "id", prefix_aware: bool = True,
+                    engines: int = 0) -> PartitionPlan:
+    """:func:`plan_partitions` of requests whose plan columns this process holds (an Arrow table with
+    ``est_tokens``, the order columns and, if prefix-aware, :data:`PREFIX_COL`: a small input prepared in the
+    driver, whose lines passed through it anyway): the same cost line, cut the same way, without a Spark job."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    order = _plan_order(table.column_names, order_col, prefix_aware)
+    line = pa.table({**{c: table[c].fill_null(0) if c == PREFIX_COL else table[c] for c in order},
+                     "est_tokens": table["est_tokens"].cast(pa.int64())})
+    line = line.sort_by([(c, "ascending") for c in order])
+    total = int(pc.sum(line["est_tokens"]).as_py() or 0)
+    parts = num_partitions(total, target_tokens, slots)
+    segments = [row for batch in _segments(line.to_batches(), order, 0, max(total / parts, 1.0), parts, 0)
+                for row in batch.to_pylist()]
+    return _plan(segments, order, parts, total, target_tokens=target_tokens, slots=slots, engines=engines)
+
+
+def _plan_order(columns: Sequence[str], order_col: str, prefix_aware: bool) -> tuple[str, ...]:
+    """The columns of the cost line's order."""
+    if order_col not in columns:
+        raise ValueError(f"plan_partitions orders requests by {order_col!r}, a column the frame does not have")
+    return (PREFIX_COL, order_col) if prefix_aware and PREFIX_COL in columns else (order_col,)
+
+
+def _plan(segments: Sequence[Any], order: tuple[str, ...], parts: int, total: int, *, target_tokens: int,
+          slots: int, engines: int) -> PartitionPlan:
+    """The plan from the cost line's segments (rows of :func:`_segments`)."""
     plan = PartitionPlan(num_partitions=parts, task_slots=slots, engines=engines, total_estimated_tokens=total,
                          target_tokens_per_partition=target_tokens, order=order,
                          tokens_per_partition=[0] * parts, requests_per_partition=[0] * parts,

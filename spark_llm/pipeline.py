@@ -24,7 +24,7 @@ from .batch import BatchResult
 from .config import BatchConfig
 from .context import RunContext
 from .engine import check_adapters, check_gpu_settings
-from .prepare import check_size, count_outcomes, prepare
+from .prepare import check_size, count_outcomes, prepared
 from .quarantine import retry_budget_warning
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta, spark_conf
@@ -66,10 +66,11 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
 def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
     """Every pending line to one row: validation errors first, then inference in waves."""
     run.describe("read, validate and count tokens")
-    requests = prepare(run.spark, run.models).persist(StorageLevel.MEMORY_AND_DISK)
+    ready = prepared(run.spark, run.models)
+    requests = ready.rows.persist(StorageLevel.MEMORY_AND_DISK)
     pending = requests
     try:
-        counts = count_outcomes(requests)
+        counts = ready.local.outcomes() if ready.local is not None else count_outcomes(requests)
         check_size(counts, run.cfg)
         in_progress_at = int(time.time())
         todo = counts
@@ -81,7 +82,8 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
             run = write.insert_errors_meanwhile(run, write.error_rows(pending, run))
         plan = None
         if todo.ok:
-            plan = infer_models(run, pending.where(F.col("error_code").isNull()), warmup)
+            plan = infer_models(run, pending.where(F.col("error_code").isNull()), warmup,
+                                None if run.cfg.resume else ready.local)
         elif run.cfg.resume:
             log.info("batch %s: nothing left to run; no new rows written", run.batch_id)
         write.wait_for_writes(run)  # they read the prepared rows: done before those are released

@@ -6,25 +6,30 @@ per-line ids the result tables are keyed by. Rows that fail anywhere carry ``err
 
 On Spark's executors, or, for a small JSONL input on this machine in a local session (:data:`LOCAL_PREPARE_BYTES`),
 in the driver's own process with the same functions over pandas, a chunk of lines at a time, the rows then handed
-to Spark as one Arrow table: a few Python workers starting cold and the JVM's first jobs cost a small batch more
+to Spark as one Arrow table (their counts and partition plan made here too, :class:`LocalRows`): a few Python workers starting cold and the JVM's first jobs cost a small batch more
 than its work does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from .config import BatchConfig, ConfigError, config_view
 from .errors import LINE_LEVEL_CODES, ErrorCode
 from .read import read_input
-from .schemas import TOKENIZED_SCHEMA, VALIDATED_SCHEMA
+from .schemas import PREFIX_COL, TOKENIZED_SCHEMA, VALIDATED_SCHEMA
 from .tokens import TokenContext, count_batches
 from .validate import ValidationContext, validate_batches
 
+
+#: The prepare stage's rows: the token stage's and their line ids (:func:`with_line_ids`).
+PREPARED_SCHEMA = T.StructType(TOKENIZED_SCHEMA.fields + [T.StructField("id", T.StringType()),
+                                                          T.StructField("request_id", T.StringType())])
 
 #: Largest input (bytes of JSONL files on this machine) a local session prepares in the driver's process
 #: (:func:`prepares_in_process`). Its rows pass through the driver on their way to Spark, so the bound is small; a
@@ -32,13 +37,59 @@ from .validate import ValidationContext, validate_batches
 LOCAL_PREPARE_BYTES = 8 << 20
 
 
+@dataclass(frozen=True)
+class LocalRows:
+    """The plan columns (:data:`LOCAL_COLUMNS`) of every row of an input prepared in this process, as an Arrow
+    table: the run counts and plans them here (:func:`~spark_llm.partition.plan_in_process`), without the Spark
+    jobs that would (8 of a 15-line run's 56, seconds of the two cores' CPU); the lines passed through this process
+    anyway."""
+
+    table: Any
+
+    def outcomes(self) -> "Outcomes":
+        return Outcomes(rows=self.table.num_rows, errors=self.table.num_rows - self.table["error_code"].null_count)
+
+    def valid(self, model: Optional[str] = None) -> Any:
+        """The rows that run (no error_code), of ``model`` or of every model."""
+        import pyarrow.compute as pc
+
+        keep = pc.is_null(self.table["error_code"])
+        if model is not None:
+            keep = pc.and_(keep, pc.equal(self.table["model"], model))
+        return self.table.filter(keep)
+
+    def valid_per_model(self) -> dict[str, int]:
+        """Rows that run, per model."""
+        import pyarrow.compute as pc
+
+        counts = pc.value_counts(self.valid()["model"])
+        return {c["values"].as_py(): c["counts"].as_py() for c in counts}
+
+
+#: The columns of :class:`LocalRows`: what the counts and the partition plan read.
+LOCAL_COLUMNS = ("model", "error_code", "id", PREFIX_COL, "est_tokens")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The prepare stage's result: every line as one row, and their plan columns when prepared in this process."""
+
+    rows: DataFrame
+    local: Optional[LocalRows] = None
+
+
 def prepare(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
     """Every non-blank input line as one row: a request with its prompt token ids and the model it runs on, or an
     error. ``models``: the batch's models as resolved configs, the main one first
     (:func:`~spark_llm.engine.resolve_models`); the ids depend on their batch_id."""
+    return prepared(spark, models).rows
+
+
+def prepared(spark: SparkSession, models: Sequence[BatchConfig]) -> Prepared:
+    """:func:`prepare`, with the plan columns of an input prepared in this process (:func:`prepares_in_process`)."""
     if prepares_in_process(spark, models[0]):
         return prepare_in_process(spark, models)
-    return prepare_on_spark(spark, models)
+    return Prepared(prepare_on_spark(spark, models))
 
 
 def prepare_on_spark(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
@@ -65,17 +116,50 @@ def prepares_in_process(spark: SparkSession, cfg: BatchConfig) -> bool:
     return size is not None and size <= LOCAL_PREPARE_BYTES
 
 
-def prepare_in_process(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
-    """:func:`prepare` of a small local input in this process (:func:`prepared_chunks`), handed to Spark as one
-    Arrow table; the same rows, in the same schema, as Spark's executors make."""
+def preload_tokenizers(config: BatchConfig) -> bool:
+    """``spark-llm run`` on a local master it starts itself: when the input is small enough to be prepared in this
+    process (:data:`LOCAL_PREPARE_BYTES`), load its models' tokenizers in a thread of this process while the
+    session's JVM starts, for :func:`prepare_in_process` to find loaded (importing transformers and loading the
+    tokenizer took 3.7 s of a 15-line run's 27 s, after the session was up). A head start only: False, and nothing
+    loaded, when the input is not such a file or the settings do not resolve here; a tokenizer that fails to load
+    fails the prepare stage's own load, with its message."""
+    import threading
+
+    from .engine import resolve, resolve_models
+    from .read import local_input_bytes
+    from .tokens import get_tokenizer
+
+    size = local_input_bytes(config)
+    if size is None or size > LOCAL_PREPARE_BYTES:
+        return False
+    try:
+        paths = list(dict.fromkeys(m.tokenizer for m in resolve_models(resolve(config))))
+    except Exception:  # the run reports bad settings with its own message
+        return False
+
+    def load() -> None:
+        for path in paths:
+            try:
+                get_tokenizer(path)
+            except Exception:  # said again, and reported, when the prepare stage loads it
+                return
+    threading.Thread(target=load, name="spark_llm-tokenizers", daemon=True).start()
+    return True
+
+
+def prepare_in_process(spark: SparkSession, models: Sequence[BatchConfig]) -> Prepared:
+    """:func:`prepare` of a small local input in this process (:func:`prepared_chunks`, :func:`line_ids`), handed
+    to Spark as one Arrow table; the same rows, in the same schema, as Spark's executors make."""
     import pyarrow as pa
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    schema = to_arrow_schema(TOKENIZED_SCHEMA)
-    chunks = [pa.Table.from_pandas(pdf[list(TOKENIZED_SCHEMA.fieldNames())], schema=schema, preserve_index=False)
+    schema = to_arrow_schema(PREPARED_SCHEMA)
+    batch_id = models[0].batch_id or ""
+    chunks = [pa.Table.from_pandas(line_ids(pdf, batch_id)[list(PREPARED_SCHEMA.fieldNames())], schema=schema,
+                                   preserve_index=False)
               for pdf in prepared_chunks(models)]
     table = pa.concat_tables(chunks) if chunks else schema.empty_table()
-    return with_line_ids(spark.createDataFrame(table, TOKENIZED_SCHEMA), models[0].batch_id or "")
+    return Prepared(spark.createDataFrame(table, PREPARED_SCHEMA), LocalRows(table.select(list(LOCAL_COLUMNS))))
 
 
 def prepared_chunks(models: Sequence[BatchConfig]) -> Iterator:
@@ -179,6 +263,21 @@ def mark_duplicates(df: DataFrame) -> DataFrame:
         "raw_line": F.when(dup, F.coalesce(F.col("raw_line"), F.col("request"))).otherwise(F.col("raw_line")),
     }
     return ranked.select([marked[c].alias(c) if c in marked else F.col(c) for c in df.columns])
+
+
+def line_ids(pdf, batch_id: str):
+    """:func:`with_line_ids` over pandas, in place (and returned): the same ids from the same digest."""
+    import hashlib
+
+    no_id = {ErrorCode.DUPLICATE_CUSTOM_ID.value, *LINE_LEVEL_CODES}
+    ids, request_ids = [], []
+    for cid, code, file, line in zip(pdf["custom_id"], pdf["error_code"], pdf["file"], pdf["line_number"]):
+        ident = cid if cid is not None and code not in no_id else f"\u0000{file}:{int(line)}"
+        digest = hashlib.sha256(f"{batch_id}\u0000{ident}".encode("utf-8")).hexdigest()
+        ids.append("batch_req_" + digest[:32])
+        request_ids.append("req_" + digest[32:64])
+    pdf["id"], pdf["request_id"] = ids, request_ids
+    return pdf
 
 
 def with_line_ids(df: DataFrame, batch_id: str) -> DataFrame:

@@ -22,7 +22,7 @@ import os
 import re
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -36,8 +36,8 @@ from .engine_service import Executor, ProcessSettings, Slot, prestart
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, prestart_partition, warm_partition
 from .metrics import ProgressReporter, progress_line
-from .partition import PART_COL, PartitionPlan, materialize, plan_partitions
-from .prepare import Outcomes
+from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions
+from .prepare import LocalRows, Outcomes
 from .schemas import RESULT_SCHEMA
 from .session import (FIRST_POOL, WAVES_POOL, is_connect, is_local_master, local_executor, local_parallelism,
                       local_session_conf, local_task_threads, local_worker_env, scheduler_pool, set_local_environment,
@@ -204,13 +204,15 @@ class Numbering:
     partitions: int = 0
 
 
-def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None) -> dict:
+def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None,
+                 local: Optional[LocalRows] = None) -> dict:
     """Infer every valid request model by model (all partitions of one model, then the next: each engine slot
     loads each model once) and return the partition plan (with one plan per model under ``models`` when the batch
-    has several)."""
+    has several). ``local``: the plan columns of ``valid``'s rows, when this process holds them (planned here)."""
     if len(run.models) == 1:
-        return infer_in_waves(run, valid, warmup)
-    counts = {r["model"]: int(r["count"]) for r in valid.groupBy("model").count().collect()}  # a row per model
+        return infer_in_waves(run, valid, warmup, planned_here=local.valid() if local is not None else None)
+    counts = local.valid_per_model() if local is not None else {
+        r["model"]: int(r["count"]) for r in valid.groupBy("model").count().collect()}  # a row per model
     plans: dict[str, dict] = {}
     numbering = Numbering()
     for cfg in run.models:
@@ -221,7 +223,8 @@ def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmu
             warmup.close()  # it loads the main model, which has nothing to do
         log.info("batch %s: model %s: %d requests", run.batch_id, name, counts[name])
         plan = infer_in_waves(run.for_model(cfg), valid.where(F.col("model") == name),
-                              warmup if cfg is run.models[0] else None, numbering)
+                              warmup if cfg is run.models[0] else None, numbering,
+                              local.valid(name) if local is not None else None)
         plans[name] = plan
         numbering = Numbering(numbering.waves + plan["waves"], numbering.partitions + plan["num_partitions"])
     return merged_plan(plans)
@@ -242,9 +245,11 @@ def merged_plan(plans: dict[str, dict]) -> dict:
 
 
 def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None,
-                   numbering: Numbering = Numbering()) -> dict:
+                   numbering: Numbering = Numbering(), planned_here: Any = None) -> dict:
     """Infer every valid request (rows with ``est_tokens``) of one model (``run.cfg``) and commit the results;
     returns the partition plan. ``valid`` is read by the planning and by every wave: a filter of a persisted frame.
+    ``planned_here``: the plan columns of ``valid``'s rows (:class:`~spark_llm.prepare.LocalRows`), when this
+    process holds them: planned here, without Spark jobs.
 
     Waves are pipelined: wave k+1 is submitted (a Spark job of its own, from a driver thread) while wave k still
     runs, so no engine waits for the slowest partition of a wave; when wave k ends, wave k+2 is submitted and wave
@@ -254,8 +259,9 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     if warmup is not None:
         warmup.wait()
     run.describe("plan partitions")
-    plan = plan_partitions(valid, target_tokens=run.cfg.target_tokens_per_partition, slots=layout.tasks,
-                           prefix_aware=run.cfg.prefix_aware_partitions, engines=layout.engines)
+    how = dict(target_tokens=run.cfg.target_tokens_per_partition, slots=layout.tasks,
+               prefix_aware=run.cfg.prefix_aware_partitions, engines=layout.engines)
+    plan = plan_in_process(planned_here, **how) if planned_here is not None else plan_partitions(valid, **how)
     ictx = _infer_context(run, numbering)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * layout.tasks, numbering.waves)
     current = {"wave": f"{numbering.waves}/{waves[-1].of}"}

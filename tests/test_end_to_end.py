@@ -363,6 +363,6 @@ def test_a_small_local_input_is_prepared_in_process_into_the_rows_spark_s_execut
 
     def rows(df):
         return sorted((r.asDict(recursive=True) for r in df.collect()), key=lambda r: (r["file"], r["line_number"]))
-    in_process, on_spark = rows(prepare_in_process(spark, models)), rows(prepare_on_spark(spark, models))
+    in_process, on_spark = rows(prepare_in_process(spark, models).rows), rows(prepare_on_spark(spark, models))
     assert len(in_process) == len(shared_run.expected) and in_process == on_spark
     assert {r["error_code"] for r in in_process} >= {None, "duplicate_custom_id", "invalid_json", "invalid_encoding"}

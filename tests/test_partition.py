@@ -126,3 +126,33 @@ def test_requests_sharing_a_prefix_share_a_partition_and_stay_balanced(spark):
         assert spread[True] <= 2.0 and spread[False] >= 6.0, spread
     finally:
         df.unpersist()
+
+
+def test_a_plan_made_in_process_is_the_plan_spark_makes(spark):
+    """A small input prepared in the driver is planned there (partition.plan_in_process, no Spark job): the same
+    partitions, tokens, requests and boundary keys as the planning jobs make, prefix-aware or not (rows without a
+    prefix key included)."""
+    from spark_llm.partition import plan_in_process
+
+    rng = random.Random(11)
+    prefixes = [[2000 + 30 * g + k for k in range(30)] for g in range(6)]
+    rows = []
+    for i in range(700):
+        ids = prefixes[rng.randrange(6)] + [rng.randrange(50)] * rng.randint(1, 40)
+        rows.append((f"r{i}", [ids], len(ids), 16, rng.randint(20, 900), None if i % 9 == 0 else prefix_key(ids)))
+    df = spark.createDataFrame(rows, "custom_id string, prompt_token_ids array<array<int>>, prompt_tokens long, "
+                                     "max_tokens long, est_tokens long, prefix_key long").repartition(3).persist()
+    try:
+        table = df.select("custom_id", "prefix_key", "est_tokens").toArrow()
+        total = sum(r[4] for r in rows)
+        for aware, parts in ((True, 8), (False, 8), (True, 3), (False, 1)):
+            how = dict(target_tokens=-(-total // parts), slots=2, order_col="custom_id", prefix_aware=aware)
+            on_spark, here = plan_partitions(df, **how), plan_in_process(table, **how)
+            assert here.num_partitions == on_spark.num_partitions >= parts
+            assert here.order == on_spark.order == (("prefix_key", "custom_id") if aware else ("custom_id",))
+            assert here.starts == on_spark.starts and None not in here.starts
+            assert here.tokens_per_partition == on_spark.tokens_per_partition
+            assert here.requests_per_partition == on_spark.requests_per_partition
+            assert sum(here.requests_per_partition) == 700 and here.total_estimated_tokens == total
+    finally:
+        df.unpersist()
