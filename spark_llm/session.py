@@ -51,7 +51,7 @@ WAVES_POOL = "spark_llm-waves"
 LOCAL_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
 #: The collector of a local session's JVM unless spark.driver.extraJavaOptions choose one (two would stop it from
 #: starting): the serial one. Its heap is small (spark.driver.memory) and its cores are the engines'; G1's
-#: concurrent threads cost a 15-line run 1-2 CPU-seconds more on two cores (JVM CPU 22.5 / 21.6 / 18.9 s with G1
+#: concurrent threads cost a 15-line run 1-2.5 CPU-seconds more on two cores (JVM CPU 22.5 / 21.6 / 18.9 s with G1
 #: against 20.3 / 19.1 / 17.9 s, three alternating pairs).
 LOCAL_GC_OPTION = "-XX:+UseSerialGC"
 #: Environment of a local session's Python workers besides the engine's own (engine.WORKER_ENV_DEFAULTS): this
