@@ -83,7 +83,7 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
         plan = None
         if todo.ok:
             plan = infer_models(run, pending.where(F.col("error_code").isNull()), warmup,
-                                None if run.cfg.resume else ready.local)
+                                None if run.cfg.resume else ready.local)  # resumed: fewer rows pending than held
         elif run.cfg.resume:
             log.info("batch %s: nothing left to run; no new rows written", run.batch_id)
         write.wait_for_writes(run)  # they read the prepared rows: done before those are released

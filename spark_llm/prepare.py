@@ -6,8 +6,8 @@ per-line ids the result tables are keyed by. Rows that fail anywhere carry ``err
 
 On Spark's executors, or, for a small JSONL input on this machine in a local session (:data:`LOCAL_PREPARE_BYTES`),
 in the driver's own process with the same functions over pandas, a chunk of lines at a time, the rows then handed
-to Spark as one Arrow table (their counts and partition plan made here too, :class:`LocalRows`): a few Python workers starting cold and the JVM's first jobs cost a small batch more
-than its work does.
+to Spark as one Arrow table (their counts and partition plan made here too, :class:`LocalRows`): a few Python
+workers starting cold and the JVM's first jobs cost a small batch more than its work does.
 """
 
 from __future__ import annotations
@@ -107,11 +107,17 @@ def prepare_on_spark(spark: SparkSession, models: Sequence[BatchConfig]) -> Data
 def prepares_in_process(spark: SparkSession, cfg: BatchConfig) -> bool:
     """The run's input is prepared in this process (:func:`prepare_in_process`): a classic local session (its
     executor is this machine) and JSONL files on this machine of at most :data:`LOCAL_PREPARE_BYTES`."""
-    from .read import local_input_bytes
     from .session import is_connect, is_local_master, spark_conf
 
     if cfg.input_table or is_connect(spark) or not is_local_master(spark_conf(spark)):
         return False
+    return _small_local_input(cfg)
+
+
+def _small_local_input(cfg: BatchConfig) -> bool:
+    """The input is JSONL files on this machine of at most :data:`LOCAL_PREPARE_BYTES`."""
+    from .read import local_input_bytes
+
     size = local_input_bytes(cfg)
     return size is not None and size <= LOCAL_PREPARE_BYTES
 
@@ -126,11 +132,9 @@ def preload_tokenizers(config: BatchConfig) -> bool:
     import threading
 
     from .engine import resolve, resolve_models
-    from .read import local_input_bytes
     from .tokens import get_tokenizer
 
-    size = local_input_bytes(config)
-    if size is None or size > LOCAL_PREPARE_BYTES:
+    if not _small_local_input(config):
         return False
     try:
         paths = list(dict.fromkeys(m.tokenizer for m in resolve_models(resolve(config))))

@@ -217,8 +217,9 @@ def local_files(path: str) -> Optional[list[str]]:
 
 
 def local_input_bytes(config) -> Optional[int]:
-    """Bytes of the input when :func:`plan_local` can plan it: JSONL files (not compressed) on this machine, not a
-    Delta table or a catalog table; else None."""
+    """Bytes of the input when it is JSONL files (not compressed) on this machine, which this process can read
+    itself (the dry run's :func:`~spark_llm.plan.plan_local`, a small batch's in-process prepare), not a Delta table
+    or a catalog table; else None."""
     files = local_files(config.input) if config.input and not config.input_table else None
     return sum(os.path.getsize(local_path(f)) for f in files) if files else None
 
