@@ -12,6 +12,7 @@ vLLM's prefix cache reuses them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import zlib
@@ -133,30 +134,45 @@ def _segments(batches: Iterator, order: tuple[str, ...], start: int, per_part: f
             names=[PART_COL, "_pid", "_seq", *order, "_tokens", "_requests"])
 
 
-#: parts -> for each slot 0..parts-1, a key that Spark's hash partitioner sends there. Spark's hash function is fixed,
-#: so this holds for every session of the process: computed once per wave size, not once per wave.
-_SLOT_KEYS: dict[int, list[int]] = {}
+def spark_hash_long(value: int, seed: int = 42) -> int:
+    """Spark's ``hash()`` of a bigint (Murmur3 x86 32-bit, seed 42, over the value's low then high 32 bits): what
+    its hash partitioner computes for a one-column long key, as a signed 32-bit int."""
+    def mix_k1(k: int) -> int:
+        k = (k * 0xCC9E2D51) & 0xFFFFFFFF
+        k = ((k << 15) | (k >> 17)) & 0xFFFFFFFF
+        return (k * 0x1B873593) & 0xFFFFFFFF
+
+    def mix_h1(h: int, k: int) -> int:
+        h ^= k
+        h = ((h << 13) | (h >> 19)) & 0xFFFFFFFF
+        return (h * 5 + 0xE6546B64) & 0xFFFFFFFF
+
+    h = mix_h1(mix_h1(seed & 0xFFFFFFFF, mix_k1(value & 0xFFFFFFFF)), mix_k1((value >> 32) & 0xFFFFFFFF))
+    h ^= 8  # the input's length in bytes
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h - (1 << 32) if h & 0x80000000 else h
 
 
-def _slot_keys(spark: SparkSession, parts: int) -> list[int]:
-    if parts not in _SLOT_KEYS:
-        search = parts * 64
-        while True:
-            keys = (spark.range(search).select(F.col("id").alias("_key"),
-                                               F.expr(f"pmod(hash(id), {parts})").cast("int").alias("_slot"))
-                    .groupBy("_slot").agg(F.min("_key").alias("_key")))
-            found = {int(r["_slot"]): int(r["_key"]) for r in keys.collect()}  # `parts` rows of metadata
-            if len(found) == parts:
-                _SLOT_KEYS[parts] = [found[slot] for slot in range(parts)]
-                break
-            search *= 4
-    return _SLOT_KEYS[parts]
+@functools.lru_cache(maxsize=None)
+def slot_keys(parts: int) -> tuple[int, ...]:
+    """For each slot 0..parts-1, the smallest key that Spark's hash partitioner over ``parts`` partitions sends
+    there (``pmod(hash(key), parts)``), computed here: no Spark job, once per wave size."""
+    keys: dict[int, int] = {}
+    key = 0
+    while len(keys) < parts:
+        keys.setdefault(spark_hash_long(key) % parts, key)  # Python's % of a positive modulus is pmod
+        key += 1
+    return tuple(keys[slot] for slot in range(parts))
 
 
 def _hash_keys(spark: SparkSession, parts: int, first: int = 0) -> DataFrame:
     """For planned partitions ``first .. first+parts-1``: a key that Spark's hash partitioner (over ``parts``
     partitions) sends to exactly slot ``_part - first``."""
-    return spark.createDataFrame([(first + slot, key) for slot, key in enumerate(_slot_keys(spark, parts))],
+    return spark.createDataFrame([(first + slot, key) for slot, key in enumerate(slot_keys(parts))],
                                  T.StructType([T.StructField(PART_COL, T.IntegerType()),
                                                T.StructField("_key", T.LongType())]))
 

@@ -7,7 +7,8 @@ import random
 from pyspark import StorageLevel
 from pyspark.sql import functions as F
 
-from spark_llm.partition import PART_COL, assign, balance, num_partitions, plan_partitions, prefix_key
+from spark_llm.partition import (PART_COL, assign, balance, num_partitions, plan_partitions, prefix_key, slot_keys,
+                                 spark_hash_long)
 from spark_llm.tokens import estimated_tokens
 
 
@@ -156,3 +157,17 @@ def test_a_plan_made_in_process_is_the_plan_spark_makes(spark):
             assert sum(here.requests_per_partition) == 700 and here.total_estimated_tokens == total
     finally:
         df.unpersist()
+
+
+def test_slot_keys_made_here_are_where_sparks_hash_partitioner_sends_them(spark):
+    """materialize sends each planned partition to its own Spark partition by a key chosen in Python: the key must
+    hash as Spark hashes it (negative, 32-bit edge and 64-bit values included), and land in its slot."""
+    values = [*range(-300, 300), 2**31 - 1, 2**31, -2**31, 2**32 + 7, 2**63 - 1, -2**63, 123456789012345]
+    hashed = spark.createDataFrame([(v,) for v in values], "v long").select("v", F.hash("v").alias("h")).collect()
+    assert [spark_hash_long(r["v"]) for r in hashed] == [r["h"] for r in hashed]
+    for parts in (1, 3, 8, 50):
+        keys = slot_keys(parts)
+        assert len(set(keys)) == parts
+        landed = (spark.createDataFrame([(slot, key) for slot, key in enumerate(keys)], "slot int, key long")
+                  .repartition(parts, "key").select("slot", F.spark_partition_id().alias("pid")).collect())
+        assert sorted((r["slot"], r["pid"]) for r in landed) == [(s, s) for s in range(parts)]
