@@ -15,7 +15,7 @@ import pytest
 from pyspark.sql import functions as F
 
 from conftest import MODEL_NAME, ROOT, chat_line, engine_settings, write_jsonl
-from spark_llm import BatchConfig, ConfigError, run_batch
+from spark_llm import BatchConfig, ConfigError, run_batch, storage
 from spark_llm.faults import FAULT_ENV
 from spark_llm.prepare import prepare
 from spark_llm.schemas import OUTPUTS_COLUMNS
@@ -54,6 +54,19 @@ def test_delta_path_input_openai_shape(spark, tiny_model, tmp_path):
     assert errors(got) == {("t-3", "invalid_request"), ("t-4", "invalid_method")}
     assert {r["file"] for r in got.values()} == {table}
     assert sorted(line for _, line in got) == [1, 2, 3, 4]
+
+
+def test_only_a_directory_with_a_committed_delta_log_is_a_delta_path(spark, tmp_path):
+    """Inputs and result tables are told apart by the path: a JSONL file, a plain directory and an empty
+    ``_delta_log`` (a table whose first commit never landed) are not Delta tables; a committed table is."""
+    jsonl = tmp_path / "requests.jsonl"
+    jsonl.write_text(json.dumps(chat_line("a", "hi")) + "\n")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "unborn" / "_delta_log").mkdir(parents=True)
+    spark.range(3).write.format("delta").save(str(tmp_path / "table"))
+    found = {name: storage.is_delta_path(spark, str(tmp_path / name))
+             for name in ("requests.jsonl", "plain", "unborn", "table", "missing")}
+    assert found == {"requests.jsonl": False, "plain": False, "unborn": False, "table": True, "missing": False}
 
 
 def test_catalog_table_with_a_struct_body(spark, tiny_model):
