@@ -69,6 +69,33 @@ def test_only_a_directory_with_a_committed_delta_log_is_a_delta_path(spark, tmp_
     assert found == {"requests.jsonl": False, "plain": False, "unborn": False, "table": True, "missing": False}
 
 
+def test_result_tables_are_made_with_comments_partitions_and_stats_columns_and_gain_new_columns(spark, tmp_path):
+    """ensure_table makes the table a run appends to (every column, its comment, batch_id partitions, statistics on
+    the chosen columns only); on a table an older spark_llm made it adds the columns that one lacked."""
+    from spark_llm.schemas import ERRORS_COLUMNS, ERRORS_STATS
+
+    path = str(tmp_path / "errors")
+    storage.ensure_table(spark, path, ERRORS_COLUMNS, ERRORS_STATS)
+    table = storage.read_table(spark, path)
+    assert [(f.name, f.dataType, f.metadata.get("comment")) for f in table.schema.fields] == \
+        [(name, dtype, comment) for name, (dtype, comment) in ERRORS_COLUMNS.items()]
+    detail = spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first()
+    assert detail["partitionColumns"] == ["batch_id"]
+    assert detail["properties"]["delta.dataSkippingStatsColumns"] == ",".join(ERRORS_STATS)
+
+    older = str(tmp_path / "older")
+    kept = {n: c for n, c in ERRORS_COLUMNS.items() if n != "raw_line"}
+    storage.ensure_table(spark, older, kept)
+    storage.append_rows(spark.createDataFrame([("b", "e-1", "invalid_json")], "batch_id string, id string, code string")
+                        .select(*[F.col(n) if n in ("batch_id", "id", "code") else F.lit(None).alias(n) for n in kept]),
+                        older, kept)
+    storage.ensure_table(spark, older, ERRORS_COLUMNS, ERRORS_STATS)
+    grown = storage.read_table(spark, older)
+    assert grown.columns == [*kept, "raw_line"]  # added at the end
+    assert grown.schema["raw_line"].metadata.get("comment") == ERRORS_COLUMNS["raw_line"][1]
+    assert [(r["id"], r["raw_line"]) for r in grown.collect()] == [("e-1", None)]
+
+
 def test_catalog_table_with_a_struct_body(spark, tiny_model):
     spark.sql("CREATE DATABASE IF NOT EXISTS llm")
     make_struct_table(spark, "llm.struct_requests_prepared")
