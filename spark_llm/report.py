@@ -4,7 +4,6 @@ and its engine usage over all its runs from the metrics table, then batch.json a
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -97,7 +96,7 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
     run.describe("write OpenAI files, batch.json and the report")
     files = SparkJobInBackground(run.spark, "spark_llm-files", lambda: write.write_openai_files(run))
     usage = SparkJobInBackground(run.spark, "spark_llm-usage", lambda: batch_records(run))
-    threading.Thread(target=report_html.preload, name="spark_llm-plots", daemon=True).start()
+    report_html.preload_in_background()  # imported already when inference ran
     try:
         tables = Tables.read(write.outputs(run), write.errors(run))
         records = usage.wait()

@@ -10,6 +10,7 @@ import base64
 import html
 import io
 import json
+import threading
 from datetime import datetime, timezone
 from typing import Any
 
@@ -26,10 +27,16 @@ def _png(fig: Any) -> str:
 
 
 def preload() -> None:
-    """Import the plotting modules (a second of a short batch's report), e.g. from a thread while the report's
-    figures are still being computed. Nothing is drawn and no backend is selected."""
+    """Import the plotting modules (a second of the driver's CPU). Nothing is drawn and no backend is selected."""
     import matplotlib.figure  # noqa: F401
     import matplotlib.ticker  # noqa: F401
+
+
+def preload_in_background() -> None:
+    """:func:`preload` from a daemon thread: started when inference starts, while the driver waits for the engines,
+    rather than in the report after it, where the import held the GIL while the report's queries ran (a no-op when
+    the modules are imported already)."""
+    threading.Thread(target=preload, name="spark_llm-plots", daemon=True).start()
 
 
 def _figure() -> tuple[Any, Any]:
