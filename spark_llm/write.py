@@ -47,7 +47,8 @@ def prepare_destination(run: RunContext) -> RunContext:
                                       f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
                 storage.delete_rows(spark, table, run.batch_id)
     tables = [(paths.outputs_table, OUTPUTS_COLUMNS, OUTPUTS_STATS),
-              (paths.errors_table, ERRORS_COLUMNS, ERRORS_STATS)]
+              (paths.errors_table, ERRORS_COLUMNS, ERRORS_STATS),
+              (paths.metrics_table, METRICS_COLUMNS, ())]  # made now, not by the first wave's commit
     if run.has_embeddings:
         tables.append((paths.embeddings_table, EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS))
 
