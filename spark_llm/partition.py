@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -169,14 +169,6 @@ def slot_keys(parts: int) -> tuple[int, ...]:
     return tuple(keys[slot] for slot in range(parts))
 
 
-def _hash_keys(spark: SparkSession, parts: int, first: int = 0) -> DataFrame:
-    """For planned partitions ``first .. first+parts-1``: a key that Spark's hash partitioner (over ``parts``
-    partitions) sends to exactly slot ``_part - first``."""
-    return spark.createDataFrame([(first + slot, key) for slot, key in enumerate(slot_keys(parts))],
-                                 T.StructType([T.StructField(PART_COL, T.IntegerType()),
-                                               T.StructField("_key", T.LongType())]))
-
-
 def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col: str = "id",
                     prefix_aware: bool = True, engines: int = 0) -> PartitionPlan:
     """Plan partitions of the valid requests ``df`` (with ``est_tokens``) for ``slots`` inference tasks at once
@@ -296,7 +288,9 @@ def assign(df: DataFrame, plan: PartitionPlan, first: int = 0, count: Optional[i
 def materialize(df: DataFrame, plan: PartitionPlan, first: int, count: int) -> DataFrame:
     """Planned partitions ``first .. first+count-1`` of ``df`` as exactly ``count`` Spark partitions, one planned
     partition each, rows sharing a prompt prefix adjacent (vLLM prefix caching), longer prompts first."""
-    keyed = assign(df, plan, first, count).join(F.broadcast(_hash_keys(df.sparkSession, count, first)), PART_COL)
+    # each planned partition's key for Spark's hash partitioner, a literal map: no join, no broadcast job
+    keys = F.create_map(*[F.lit(v) for slot, key in enumerate(slot_keys(count)) for v in (first + slot, key)])
+    keyed = assign(df, plan, first, count).withColumn("_key", keys[F.col(PART_COL)].cast("long"))
     order = [F.col("prompt_tokens").desc()]
     if PREFIX_COL in df.columns:
         order.insert(0, F.col(PREFIX_COL))

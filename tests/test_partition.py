@@ -7,8 +7,8 @@ import random
 from pyspark import StorageLevel
 from pyspark.sql import functions as F
 
-from spark_llm.partition import (PART_COL, assign, balance, num_partitions, plan_partitions, prefix_key, slot_keys,
-                                 spark_hash_long)
+from spark_llm.partition import (PART_COL, assign, balance, materialize, num_partitions, plan_partitions,
+                                 prefix_key, slot_keys, spark_hash_long)
 from spark_llm.tokens import estimated_tokens
 
 
@@ -42,6 +42,11 @@ def test_balance_evens_out_estimated_tokens(spark):
         total = df.agg(F.sum("est_tokens")).first()[0]
         out, plan = balance(df, target_tokens=total // 7, slots=4, order_col="custom_id")
         assert plan.num_partitions == 8 and out.rdd.getNumPartitions() == 8
+        assert out.where(F.spark_partition_id() != F.col(PART_COL)).count() == 0  # planned k is Spark's k
+        wave = materialize(df, plan, 2, 3)  # a wave's three: planned 2, 3, 4 as Spark's 0, 1, 2
+        assert wave.rdd.getNumPartitions() == 3
+        assert wave.where(F.spark_partition_id() + 2 != F.col(PART_COL)).count() == 0
+        assert wave.count() == sum(plan.requests_per_partition[2:5])
         assert plan.total_estimated_tokens == total
         per_task = (out.groupBy(F.spark_partition_id().alias("p")).agg(F.sum("est_tokens").alias("t"),
                                                                        F.count(F.lit(1)).alias("c"))
