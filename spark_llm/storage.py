@@ -398,15 +398,21 @@ def append_rows(df: DataFrame, table: str, columns: dict) -> None:
 
 
 def append_records(spark: SparkSession, records: list[dict], table: str, columns: dict) -> None:
-    """Append a few small records (e.g. one per partition) to a Delta table, created on first use."""
+    """Append a few small records (e.g. one per partition) to a Delta table, created on first use. The records
+    reach Spark as an Arrow table, which the JVM reads itself: a list of rows would start Python workers to
+    unpickle them (two new workers, a second or more of a short run's commit)."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
 
     def cell(dtype: Any, value: Any) -> Any:
         if dtype.typeName() == "timestamp" and isinstance(value, (int, float)):
             return datetime.fromtimestamp(value, timezone.utc)
         return value
 
-    data = [tuple(cell(t, r.get(n)) for n, (t, _) in columns.items()) for r in records]
-    df = conform(spark.createDataFrame(data, table_schema(columns)), columns)
+    schema = table_schema(columns)
+    data = pa.Table.from_pylist([{n: cell(t, r.get(n)) for n, (t, _) in columns.items()} for r in records],
+                                schema=to_arrow_schema(schema, timezone="UTC"))
+    df = conform(spark.createDataFrame(data, schema), columns)
     # mergeSchema: a table made by an earlier version of spark_llm gains the newer columns
     _save(df.write.format("delta").mode("append").option("mergeSchema", "true").partitionBy("batch_id"), table)
 

@@ -79,3 +79,20 @@ def test_the_timeline_puts_the_partitions_that_fed_an_engine_at_once_in_lanes_on
                           fed(3, "cpu-1-1", 0, 9)])
     assert [(label, [m["partition"] for m, _, _ in spans]) for label, spans in lanes] == [
         ("cpu-1-0 pid 7 #1", [0, 2]), ("cpu-1-0 pid 7 #2", [1]), ("cpu-1-1 pid 7", [3])]
+
+
+def test_partition_records_land_in_the_metrics_table_as_they_were_recorded(spark, tmp_path):
+    """append_records: epoch seconds become UTC timestamps, missing fields nulls, the table is made on first use
+    and a second append adds to it."""
+    from spark_llm.schemas import METRICS_COLUMNS
+    from spark_llm.storage import append_records, read_table
+
+    path = str(tmp_path / "metrics")
+    first = {"batch_id": "b", "run_id": "r1", "partition": 0, "rows": 7, "engine_slot": "cpu-1-0",
+             "engine_seconds": 1.5, "started_at": 1_700_000_000.25, "errors_by_code": '{"engine_error": 1}'}
+    append_records(spark, [first], path, METRICS_COLUMNS)
+    append_records(spark, [{**first, "run_id": "r2", "partition": 1, "rows": 3}], path, METRICS_COLUMNS)
+    rows = sorted(read_table(spark, path).collect(), key=lambda r: r["partition"])
+    assert [(r["run_id"], r["partition"], r["rows"]) for r in rows] == [("r1", 0, 7), ("r2", 1, 3)]
+    assert rows[0]["started_at"].timestamp() == 1_700_000_000.25
+    assert rows[0]["engine_seconds"] == 1.5 and rows[0]["finished_at"] is None and rows[0]["engine_pid"] is None
