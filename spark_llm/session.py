@@ -36,6 +36,7 @@ LOCAL_DEFAULTS = {
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "2",
     "spark.python.worker.reuse": "true",
+    "spark.python.daemon.module": "spark_llm.worker_daemon",  # pyspark's daemon, its imports made once
     "spark.databricks.delta.snapshotPartitions": "2",
     "spark.sql.sources.partitionOverwriteMode": "dynamic",
     "spark.driver.memory": "2g",

@@ -1,9 +1,11 @@
-"""What a local session learns once and reuses (no Spark started for these): Delta's resolved jars and the JVM's
-class-data-sharing archive; and how the local session schedules the run's jobs."""
+"""What a local session learns once and reuses: Delta's resolved jars, the JVM's class-data-sharing archive, the
+Python workers' imports (their daemon); and how the local session schedules the run's jobs."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 from spark_llm import session
@@ -98,3 +100,37 @@ def test_a_local_session_s_jvm_runs_the_serial_collector_unless_its_settings_cho
     assert session.LOCAL_GC_OPTION not in own and own[-2:] == ["-Xss4m", "-XX:+UseG1GC"]  # two collectors: no JVM
     kept = session.local_java_options({"spark.driver.extraJavaOptions": "-XX:+UseGCOverheadLimit"}).split()
     assert session.LOCAL_GC_OPTION in kept and kept[-1] == "-XX:+UseGCOverheadLimit"
+
+
+def test_the_worker_daemon_sets_aside_only_the_installed_pyspark_s_own_zips():
+    """pyspark.zip and py4j's zip are set aside only when they are the installed package's own (the same code,
+    whose bytecode Python caches); another Spark's zips stay on the workers' path."""
+    import pyspark
+
+    from spark_llm.worker_daemon import installed_zips
+
+    lib = os.path.join(os.path.dirname(pyspark.__file__), "python", "lib")
+    own = [os.path.join(lib, "pyspark.zip"), os.path.join(lib, "py4j-0.10.9.9-src.zip")]
+    other = ["/opt/spark/python/lib/pyspark.zip", "/opt/spark/python/lib/py4j-0.10.9.9-src.zip"]
+    plain = [p for p in sys.path if not p.endswith(".zip")]
+    assert installed_zips([*own, *other, *plain]) == own
+    assert installed_zips([*other, *plain]) == []
+
+
+def test_pyspark_s_worker_module_starts_no_thread_so_the_daemon_may_import_it_before_forking():
+    out = subprocess.run([sys.executable, "-c", "import os, pyspark.worker; print(len(os.listdir('/proc/self/task')))"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1"
+
+
+def test_a_local_session_s_python_workers_run_pyspark_from_its_package_with_its_worker_preloaded(spark):
+    import pandas as pd
+
+    def probe(batches):
+        for _ in batches:
+            import pyspark
+            yield pd.DataFrame({"zips": [sum(p.endswith(".zip") and "pyspark" in p for p in sys.path)],
+                                "pyspark": [pyspark.__file__], "daemon": [sys.modules["__main__"].__spec__.name]})
+
+    row = spark.range(1, numPartitions=1).mapInPandas(probe, "zips int, pyspark string, daemon string").first()
+    assert row["zips"] == 0 and ".zip" not in row["pyspark"] and row["daemon"] == "spark_llm.worker_daemon"
