@@ -621,3 +621,27 @@ def test_a_local_session_names_its_executor_by_its_driver_only_while_its_jvm_sta
     monkeypatch.setattr(SparkContext, "_gateway", object())  # a JVM this process launched before keeps its env
     with _naming_local_executor("local[2]") as named:
         assert named is None and LOCAL_EXECUTOR_ENV not in os.environ
+
+
+def test_an_engine_s_imports_run_without_the_cyclic_collector_and_end_up_frozen():
+    import gc
+
+    from spark_llm.engine_server import imports_kept
+
+    frozen_before = gc.get_freeze_count()
+    try:
+        with imports_kept():
+            inside = gc.isenabled()
+            made = [[] for _ in range(1000)]  # what an import leaves: objects the collector tracks
+        assert not inside
+        assert gc.isenabled()  # as it was before the block
+        assert gc.get_freeze_count() >= frozen_before + len(made)
+        gc.disable()
+        try:
+            with imports_kept():
+                pass
+            assert not gc.isenabled()  # a collector the caller had turned off stays off
+        finally:
+            gc.enable()
+    finally:
+        gc.unfreeze()
