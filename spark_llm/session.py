@@ -25,11 +25,15 @@ log = logging.getLogger(__name__)
 #: Settings for a local session (demo, tests, single machine). Cluster jobs keep their own spark-submit settings.
 #: A local session's rows are few (requests, results, a wave's metrics) beside the engines' work, so its queries
 #: run interpreted: compiling each query's generated Java (Janino, then the JIT) cost more of a short run's CPU,
-#: on the engines' cores, than running the rows did (about 6 CPU-seconds of a 15- or 2,000-line run here).
+#: on the engines' cores, than running the rows did (about 6 CPU-seconds of a 15- or 2,000-line run here). Nor do
+#: they need adaptive execution, which plans each query again after every shuffle, on cold code, to coalesce or
+#: rebalance partitions that a local session's few rows and few shuffle partitions never call for: a 15-line run
+#: took 0.93 and 0.96 of the time with it (two sets of four alternating pairs; 2,000 lines: within the noise).
 #: ``spark:`` settings of the config override these.
 LOCAL_DEFAULTS = {
     "spark.sql.codegen.wholeStage": "false",
     "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+    "spark.sql.adaptive.enabled": "false",
     "spark.scheduler.mode": "FAIR",  # the engines hold every task slot: scheduler_pool
     "spark.scheduler.allocation.file": str(Path(__file__).with_name("fairscheduler.xml")),
     "spark.ui.showConsoleProgress": "false",
