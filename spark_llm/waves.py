@@ -260,7 +260,8 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         warmup.wait()
     run.describe("plan partitions")
     how = dict(target_tokens=run.cfg.target_tokens_per_partition, slots=layout.tasks,
-               prefix_aware=run.cfg.prefix_aware_partitions, engines=layout.engines)
+               prefix_aware=run.cfg.prefix_aware_partitions, engines=layout.engines,
+               engine_batch=run.cfg.max_num_seqs or 0)
     plan = plan_in_process(planned_here, **how) if planned_here is not None else plan_partitions(valid, **how)
     ictx = _infer_context(run, numbering)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * layout.tasks, numbering.waves)

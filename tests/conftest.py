@@ -127,8 +127,10 @@ def validation_context(**settings):
 
 
 def engine_settings(model: str) -> dict:
-    """Engine settings every engine test shares, so each Spark Python worker builds one engine for the whole run."""
-    return dict(model=model, served_model_name=MODEL_NAME, max_model_len=1024, max_num_seqs=32, dtype="bfloat16",
+    """Engine settings every engine test shares, so each Spark Python worker builds one engine for the whole run.
+    Engines of 8 sequences: the shared run's requests outnumber what its two engines run at once, so each engine is
+    fed by two tasks (a batch the engines take whole gets a partition per engine, see partition.num_partitions)."""
+    return dict(model=model, served_model_name=MODEL_NAME, max_model_len=1024, max_num_seqs=8, dtype="bfloat16",
                 enforce_eager=True, kv_cache_memory_bytes=64 << 20, default_max_tokens=8,
                 target_tokens_per_partition=20_000, num_task_slots=2, tool_call_parser="hermes",
                 lora_modules={ADAPTER: str(Path(model).parent / ADAPTER)}, max_lora_rank=8,

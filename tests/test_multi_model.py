@@ -119,4 +119,6 @@ def test_the_dry_run_plans_each_model(spark, tiny_model, embedding_model, tmp_pa
                                          models=[{"name": EMBED, "path": embedding_model, "max_model_len": 512}]))
     assert (plan.lines, plan.requests) == (len(LINES), 16)
     assert plan.errors_by_code == {"unsupported_endpoint": 2, "model_not_found": 1}
-    assert plan.partitions == 8  # four inference tasks at once (two engines, two tasks each) for each model
+    # each model's requests fit what its two engines run at once (8 sequences each): a partition per engine, not
+    # one per inference task (two engines, two tasks each)
+    assert plan.partitions == 4

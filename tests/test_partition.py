@@ -20,6 +20,31 @@ def test_num_partitions_rounds_to_task_slots():
     assert num_partitions(50, 100, 1) == 1
 
 
+def test_a_batch_the_engines_run_all_at_once_gets_one_partition_per_engine_not_per_feed():
+    # four tasks feed two engines that run 8 requests each at once
+    assert num_partitions(500, 10_000, 4, requests=16, engines=2, engine_batch=8) == 2
+    assert num_partitions(500, 10_000, 4, requests=17, engines=2, engine_batch=8) == 4  # one must wait: a feed each
+    assert num_partitions(500, 100, 4, requests=16, engines=2, engine_batch=8) == 6  # the target asks for more
+    assert num_partitions(500, 10_000, 4, requests=16) == 4  # engines or their batch unknown: a partition per task
+    assert num_partitions(500, 10_000, 1, requests=3, engines=1, engine_batch=8) == 1
+
+
+def test_both_planners_give_a_small_batch_one_partition_per_engine(spark):
+    import pyarrow as pa
+
+    from spark_llm.partition import plan_in_process
+
+    rows = [(i, 10 + i) for i in range(12)]
+    how = dict(target_tokens=10_000, slots=4, prefix_aware=False, engines=2)
+    table = pa.table({"id": [r[0] for r in rows], "est_tokens": [r[1] for r in rows]})
+    df = spark.createDataFrame(rows, "id long, est_tokens long")
+    for engine_batch, parts in ((8, 2), (4, 4)):  # 12 requests: all at once in two engines of 8, not of 4
+        here = plan_in_process(table, engine_batch=engine_batch, **how)
+        by_spark = plan_partitions(df, engine_batch=engine_batch, **how)
+        assert here.num_partitions == by_spark.num_partitions == parts
+        assert sum(here.requests_per_partition) == sum(by_spark.requests_per_partition) == 12
+
+
 def skewed_requests(spark, n=3000, seed=7):
     rng = random.Random(seed)
     rows = []
