@@ -175,10 +175,10 @@ def _plan(groups: list[Group], models: tuple[BatchConfig, ...], layout: Callable
     for model in models:
         g = valid.get(model.served_model_name)
         if g is not None:
-            engines = layout(model)
-            tasks = engines.tasks
+            model_layout = layout(model)
+            tasks = model_layout.tasks
             parts = num_partitions(g.est_tokens, model.target_tokens_per_partition, tasks, requests=g.rows,
-                                   engines=engines.engines, engine_batch=model.max_num_seqs or 0)
+                                   engines=model_layout.engines, engine_batch=model.max_num_seqs or 0)
             partitions += parts
             waves += math.ceil(parts / (model.wave_partitions or 2 * tasks))
     return BatchPlan(lines=requests + sum(errors.values()), requests=requests, errors_by_code=errors,
