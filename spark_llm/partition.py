@@ -87,7 +87,14 @@ class PartitionPlan:
                 "balance_ratio": round(self.balance_ratio, 4)}
 
 
-def num_partitions(total_tokens: int, target: int, slots: int, *, requests: int = 0, engines: int = 0,
+def plan_settings(cfg: Any, layout: Any) -> dict[str, int]:
+    """What the planners take from a model's settings (a :class:`~spark_llm.config.BatchConfig`) and its
+    :class:`~spark_llm.engine.EngineLayout`, for the run's waves and ``spark-llm plan`` alike."""
+    return dict(target_tokens=cfg.target_tokens_per_partition, slots=layout.tasks, engines=layout.engines,
+                engine_batch=cfg.max_num_seqs or 0)
+
+
+def num_partitions(total_tokens: int, target_tokens: int, slots: int, *, requests: int = 0, engines: int = 0,
                    engine_batch: int = 0) -> int:
     """Partitions for ``total_tokens``: ceil(total / target), at least ``slots``, rounded up to a multiple of it.
 
@@ -100,7 +107,7 @@ def num_partitions(total_tokens: int, target: int, slots: int, *, requests: int 
     slots = max(1, slots)
     if engines and engine_batch and 0 < requests <= engines * engine_batch:
         slots = min(slots, engines)
-    wanted = max(1, math.ceil(total_tokens / max(1, target)))
+    wanted = max(1, math.ceil(total_tokens / max(1, target_tokens)))
     return max(slots, math.ceil(wanted / slots) * slots)
 
 

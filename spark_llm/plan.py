@@ -23,7 +23,7 @@ from . import storage
 from .config import BatchConfig, ConfigError
 from .context import RunPaths
 from .engine import EngineLayout, check_adapters, config_layout, resolve, resolve_models
-from .partition import num_partitions
+from .partition import num_partitions, plan_settings
 from .prepare import prepare
 from .session import default_parallelism, local_parallelism, local_session_conf, local_task_threads, spark_conf
 
@@ -176,11 +176,9 @@ def _plan(groups: list[Group], models: tuple[BatchConfig, ...], layout: Callable
         g = valid.get(model.served_model_name)
         if g is not None:
             model_layout = layout(model)
-            tasks = model_layout.tasks
-            parts = num_partitions(g.est_tokens, model.target_tokens_per_partition, tasks, requests=g.rows,
-                                   engines=model_layout.engines, engine_batch=model.max_num_seqs or 0)
+            parts = num_partitions(g.est_tokens, requests=g.rows, **plan_settings(model, model_layout))
             partitions += parts
-            waves += math.ceil(parts / (model.wave_partitions or 2 * tasks))
+            waves += math.ceil(parts / (model.wave_partitions or 2 * model_layout.tasks))
     return BatchPlan(lines=requests + sum(errors.values()), requests=requests, errors_by_code=errors,
                      prompt_tokens=prompt, max_output_tokens=est - prompt, partitions=partitions,
                      engines=layout(models[0]).engines, waves=waves, tokens_per_second=tokens_per_second,

@@ -36,7 +36,7 @@ from .engine_service import Executor, ProcessSettings, Slot, prestart
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, prestart_partition, warm_partition
 from .metrics import ProgressReporter, progress_line
-from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions
+from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions, plan_settings
 from .prepare import LocalRows, Outcomes
 from .schemas import RESULT_SCHEMA
 from .session import (FIRST_POOL, WAVES_POOL, is_connect, is_local_master, local_executor, local_parallelism,
@@ -259,9 +259,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     if warmup is not None:
         warmup.wait()
     run.describe("plan partitions")
-    how = dict(target_tokens=run.cfg.target_tokens_per_partition, slots=layout.tasks,
-               prefix_aware=run.cfg.prefix_aware_partitions, engines=layout.engines,
-               engine_batch=run.cfg.max_num_seqs or 0)
+    how = dict(plan_settings(run.cfg, layout), prefix_aware=run.cfg.prefix_aware_partitions)
     plan = plan_in_process(planned_here, **how) if planned_here is not None else plan_partitions(valid, **how)
     ictx = _infer_context(run, numbering)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * layout.tasks, numbering.waves)
