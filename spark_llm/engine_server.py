@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -524,17 +525,88 @@ def imports_kept() -> Iterator[None]:
             gc.enable()
 
 
+#: Modules an engine imports while it is built (its engine core, executor, CPU worker and model loader), imported
+#: with :data:`VLLM_ENTRY_MODULE` by a process that forks the engines of several slots (:func:`fork_per_slot`), so
+#: that each engine process finds them imported. Any that this vLLM lacks are left to the engine.
+ENGINE_MODULES = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
+                  "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.model_loader")
+#: Seconds a process started for several slots waits for the records its starter writes when it has started it.
+RECORD_WAIT_SECONDS = 30.0
+
+
+def import_engine(modules: Sequence[str] = ()) -> None:
+    """What building the engine needs imported (:data:`VLLM_ENTRY_MODULE`, then ``modules``), kept out of the
+    cyclic collector's reach (:func:`imports_kept`); vLLM missing is left to :func:`~spark_llm.engine.build_engine`
+    to report."""
+    with imports_kept():
+        from .endpoints import engine_side  # noqa: F401
+        from . import engine  # noqa: F401
+
+        for module in (VLLM_ENTRY_MODULE, *modules):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
+
+
+def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
+    """In a process started for several CPU slots (see :func:`~spark_llm.engine_service.prestart_slots`), once vLLM
+    is imported: fork an engine process per slot and return, in each, its slot and this process's pid; this process
+    records each as its slot's starting server and exits. A slot whose record no longer names this process (its
+    start was called off: another engine took the slot) gets none. An engine start on a CPU is mostly imports
+    (about half of its 9-10 CPU-seconds); forked, the engines share them, and their pages."""
+    me = os.getpid()
+    for slot in slots:
+        record = _record_of(slot, me)
+        if record is None:
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # a stop waits for the record
+        pid = os.fork()
+        if pid == 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            log_fd = os.open(slot.path(".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            os.close(log_fd)
+            return slot, me
+        _write_private(slot.path(".starting"), {**record, "pid": pid, "launcher": me})
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    os._exit(0)
+
+
+def _record_of(slot: Slot, pid: int) -> Optional[dict]:
+    """The slot's starting record, once its starter has written it, if it names process ``pid``."""
+    deadline = time.monotonic() + RECORD_WAIT_SECONDS
+    while True:
+        try:
+            record = json.loads(slot.path(".starting").read_text())
+            return record if record.get("pid") == pid else None
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+
 def serve(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m spark_llm.engine_server")
-    p.add_argument("--slot", required=True)
+    p.add_argument("--slot", action="append", required=True,
+                   help="the slot to serve; given more than once (CPU slots only), a forked process serves each")
     p.add_argument("--devices", default="")
     p.add_argument("--spec-file", required=True)
     p.add_argument("--key", required=True)
     p.add_argument("--watch-pid", type=int, required=True)
     p.add_argument("--idle-timeout", type=float, default=0.0)
     args = p.parse_args(argv)
-    slot = Slot(args.slot, tuple(d for d in args.devices.split(",") if d))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
+    launcher, t0 = None, time.monotonic()
+    if len(args.slot) > 1:
+        if args.devices:
+            p.error("several slots share a process only without devices")
+        log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
+        import_engine(ENGINE_MODULES)
+        slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
+    else:
+        slot = Slot(args.slot[0], tuple(d for d in args.devices.split(",") if d))
     server = EngineServer(slot, args.key, args.watch_pid, args.idle_timeout)
     device_locks = []
     for device in slot.devices:  # held until the process ends: never two engines on one device
@@ -548,13 +620,12 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         device_locks.append(fd)
     _event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
 
-    t0 = time.monotonic()
-    with imports_kept():
-        from .endpoints.engine_side import Parsers
-        from .engine import EngineSpec, build_engine
+    if launcher is None:
+        t0 = time.monotonic()
+        import_engine()
+    from .endpoints.engine_side import Parsers
+    from .engine import EngineSpec, build_engine
 
-        with contextlib.suppress(ImportError):  # vLLM missing: build_engine says so
-            importlib.import_module(VLLM_ENTRY_MODULE)
     spec = EngineSpec(settings=json.loads(Path(args.spec_file).read_text()))
     try:
         server.engine = build_engine(spec)
@@ -564,6 +635,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
                                  spec.settings.get("reasoning_parser"))
     except EngineStartError as exc:
+        log.error("engine for slot %s could not start: %s", slot.name, exc)
         slot.path(".error").write_text(str(exc))
         server.stop("engine could not start", code=1)
     load_s = time.monotonic() - t0
@@ -577,7 +649,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         slot.path(".sock").unlink()
     listener = Listener(str(slot.path(".sock")), family="AF_UNIX", authkey=authkey.encode())
     info = {"pid": os.getpid(), "slot": slot.name, "devices": list(slot.devices), "key": args.key,
-            "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time()}
+            "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time(),
+            **({"launcher": launcher} if launcher is not None else {})}
     _write_private(slot.path(".json"), info)
     with contextlib.suppress(OSError, ValueError):
         if json.loads(slot.path(".starting").read_text()).get("pid") == os.getpid():

@@ -448,7 +448,7 @@ def _serving(slot: Slot, spec: Any, process: ProcessSettings,
             pid, proc = int(starting["pid"]), None
         else:
             stop_engines_on(slot)
-            proc = _spawn_server(slot, spec, process)
+            proc = _spawn_server([slot], spec, process)
             pid = proc.pid
     finally:
         os.close(fd)
@@ -469,19 +469,33 @@ def prestart(spec: Any, process: ProcessSettings, slot: Slot, executor: Optional
     while the driver prepares the batch); the first task that needs it waits for it in :func:`engine_for`. Nothing
     is started when the engine runs or is starting already, or while a task is starting one. Returns whether one
     was started. ``executor``: the executor's, when this process is not one of its Python workers."""
-    fd = _try_lock(slot.path(".start.lock"))
-    if fd is None:
-        return False
+    return bool(prestart_slots(spec, process, [slot], executor))
+
+
+def prestart_slots(spec: Any, process: ProcessSettings, slots: Sequence[Slot],
+                   executor: Optional[Executor] = None) -> list[Slot]:
+    """:func:`prestart` for several slots of one executor at once; returns the slots whose engines it started. CPU
+    slots started together share one process, which imports vLLM once and forks an engine process per slot
+    (``engine_server --slot A --slot B``): most of an engine's start on a CPU is its imports, which would
+    otherwise run once per slot on the cores all of them load on. GPU slots each get a process of their own."""
+    locks, started = [], []
     try:
-        info = _read_info(slot)
-        starting = _starting(slot)
-        if any(x is not None and x.get("key") == spec.key for x in (info, starting)):
-            return False
-        stop_engines_on(slot)
-        _spawn_server(slot, spec, process, executor)
-        return True
+        for slot in slots:
+            fd = _try_lock(slot.path(".start.lock"))
+            if fd is None:
+                continue
+            locks.append(fd)
+            if any(x is not None and x.get("key") == spec.key for x in (_read_info(slot), _starting(slot))):
+                continue
+            stop_engines_on(slot)
+            started.append(slot)
+        shared = [s for s in started if not s.devices]
+        for group in ([shared] if len(shared) > 1 else [[s] for s in shared]) + [[s] for s in started if s.devices]:
+            _spawn_server(group, spec, process, executor)
     finally:
-        os.close(fd)
+        for fd in locks:
+            os.close(fd)
+    return started
 
 
 def stop_engines_on(slot: Slot) -> None:
@@ -528,58 +542,73 @@ def executor_pid() -> int:
     return os.getppid()
 
 
-def _spawn_server(slot: Slot, spec: Any, process: ProcessSettings,
+def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
                   executor: Optional[Executor] = None) -> subprocess.Popen:
-    """Start the slot's engine server, recorded as starting (``<slot>.starting``: its pid, key and devices) until
-    it is ready (``<slot>.json``); it serves this process's executor, or ``executor``."""
+    """Start the engine server of ``slots`` (one slot, or several CPU slots whose servers the process forks once it
+    has imported vLLM), each recorded as starting (``<slot>.starting``: the process's pid, key and devices) until it
+    is ready (``<slot>.json``); they serve this process's executor, or ``executor``."""
     from .engine import apply_worker_env
 
-    for suffix in (".json", ".error", ".sock", ".starting"):
-        with contextlib.suppress(FileNotFoundError):
-            slot.path(suffix).unlink()
-    spec_file = slot.path(".spec")
+    first = slots[0]
+    if len(slots) > 1 and any(s.devices for s in slots):
+        raise ValueError("only CPU slots share an engine server's start")
+    for slot in slots:
+        for suffix in (".json", ".error", ".sock", ".starting"):
+            with contextlib.suppress(FileNotFoundError):
+                slot.path(suffix).unlink()
+    spec_file = first.path(".spec")
     spec_file.write_text(json.dumps(spec.settings, default=str))
     env = dict(executor.environ if executor is not None else os.environ)
     apply_worker_env(env)
     env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_LOGGING_LEVEL=process.engine_log_level)
-    if slot.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.devices)
+    if first.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(first.devices)
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    cmd = [sys.executable, "-m", "spark_llm.engine_server", "--slot", slot.name, "--devices", ",".join(slot.devices),
-           "--spec-file", str(spec_file), "--key", spec.key,
+    cmd = [sys.executable, "-m", "spark_llm.engine_server", *[a for s in slots for a in ("--slot", s.name)],
+           "--devices", ",".join(first.devices), "--spec-file", str(spec_file), "--key", spec.key,
            "--watch-pid", str(executor.pid if executor is not None else executor_pid()),
            "--idle-timeout", str(process.engine_idle_timeout_seconds or 0)]
-    with open(slot.path(".log"), "ab") as logf:
+    with open(first.path(".log"), "ab") as logf:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
-    _write_private(slot.path(".starting"), {"pid": proc.pid, "key": spec.key, "devices": list(slot.devices),
-                                            "started_at": time.time()})
+    for slot in slots:
+        _write_private(slot.path(".starting"), {"pid": proc.pid, "key": spec.key, "devices": list(slot.devices),
+                                                "started_at": time.time()})
     return proc
 
 
 def _starting(slot: Slot) -> Optional[dict]:
     """The slot's server that is starting (pid, key, devices), if its process is alive."""
+    record = _starting_record(slot)
+    return record if record is not None and process_alive(record.get("pid")) else None
+
+
+def _starting_record(slot: Slot) -> Optional[dict]:
+    """The slot's record of a server starting, alive or not: the process started for it, or the engine process
+    forked for it by that one (then with ``launcher``, the pid of the process that forked it)."""
     try:
-        record = json.loads(slot.path(".starting").read_text())
+        return json.loads(slot.path(".starting").read_text())
     except (OSError, ValueError):
         return None
-    return record if process_alive(record.get("pid")) else None
 
 
 def _await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) -> dict:
-    """Wait until the slot's server ``pid`` is ready and return its info; its reason when it could not start. A
-    server that became ready counts as started even when it has ended since (a request of the slot's other feeder
-    can kill it between two looks): the caller's first call finds it gone."""
+    """Wait until the slot's server ``pid`` (or the one it forked for the slot) is ready and return its info; its
+    reason when it could not start. A server that became ready counts as started even when it has ended since (a
+    request of the slot's other feeder can kill it between two looks): the caller's first call finds it gone."""
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         info = _read_ready(slot)
-        if info is not None and info.get("pid") == pid:
+        if info is not None and pid in (info.get("pid"), info.get("launcher")):
             return info
-        if (proc.poll() is not None) if proc is not None else not process_alive(pid):
+        if not _still_starting(slot, pid, proc):
+            info = _read_ready(slot)  # it wrote its info and its record went since the look above
+            if info is not None and pid in (info.get("pid"), info.get("launcher")):
+                return info
             try:
                 reason = slot.path(".error").read_text().strip()
             except OSError:
-                code = f" with code {proc.returncode}" if proc is not None else ""
+                code = f" with code {proc.returncode}" if proc is not None and proc.returncode else ""
                 reason = f"the engine process exited{code}; see {slot.path('.log')}"
             raise EngineStartError(reason)
         time.sleep(0.1)
@@ -587,6 +616,17 @@ def _await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None)
         os.kill(pid, signal.SIGKILL)
     raise EngineStartError(f"the engine of slot {slot.name} did not start within {_START_TIMEOUT_S:.0f}s; see "
                            f"{slot.path('.log')}")
+
+
+def _still_starting(slot: Slot, pid: int, proc: Optional[subprocess.Popen]) -> bool:
+    """Whether the server ``pid`` started for ``slot`` may still become ready: the process forked for the slot when
+    ``pid`` forked one (the slot's record names it), else ``pid`` itself. Looked at in that order, since a launcher
+    rewrites the record before it exits."""
+    alive = proc.poll() is None if proc is not None else process_alive(pid)
+    record = _starting_record(slot)
+    if record is not None and record.get("launcher") == pid:
+        return process_alive(record.get("pid"))
+    return alive
 
 
 def _write_private(path: Path, record: dict) -> None:

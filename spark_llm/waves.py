@@ -32,7 +32,7 @@ from .background import SparkJobInBackground
 from .context import RunContext
 from .config import BatchConfig, config_view
 from .engine import EngineSpec, config_layout, has_gpus, inference_profile, resolve
-from .engine_service import Executor, ProcessSettings, Slot, prestart
+from .engine_service import Executor, ProcessSettings, Slot, prestart_slots
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, prestart_partition, warm_partition
 from .metrics import ProgressReporter, progress_line
@@ -156,8 +156,7 @@ def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
         ictx = _infer_context(run, Numbering())
         executor = Executor(local_executor(run.spark), local_worker_env(conf))
         slots = [Slot.cpu(n, executor.pid) for n in range(ictx.cpu_slots or 1)]
-        for slot in slots:
-            prestart(ictx.engine, ictx.process, slot, executor)
+        prestart_slots(ictx.engine, ictx.process, slots, executor)
     except Exception as exc:  # only a head start
         log.info("batch %s: the engines start from a warm-up job (%s)", run.batch_id, exc)
         return False
@@ -182,8 +181,7 @@ def prestart_before_session(config: BatchConfig, settings: Mapping[str, str], ma
     executor = Executor(os.getpid(), local_worker_env(conf))
     layout = config_layout(cfg, conf, lambda: local_parallelism(conf), local_task_threads(conf))
     spec, process = EngineSpec.from_config(cfg), config_view(ProcessSettings, cfg)
-    for n in range(layout.cpu_slots or 1):
-        prestart(spec, process, Slot.cpu(n, executor.pid), executor)
+    prestart_slots(spec, process, [Slot.cpu(n, executor.pid) for n in range(layout.cpu_slots or 1)], executor)
     return True
 
 

@@ -61,3 +61,29 @@ def test_engine_logs_stay_in_the_engine_directory_at_the_configured_level(shared
     assert any("ready in" in text for text in logs.values())  # the engines' own lines are there
     vllm_info = re.compile(r"\) INFO \d\d-\d\d ")  # vLLM's INFO lines: "(MainProcess pid=1) INFO 11-30 21:57:45"
     assert not [name for name, text in logs.items() if vllm_info.search(text)]  # default engine_log_level WARNING
+
+
+def test_engines_started_together_are_forked_from_one_process_each_failing_on_its_own(tmp_path, monkeypatch):
+    """Two CPU slots prestarted at once: one process imports vLLM and forks an engine process per slot, which
+    logs to its slot's log and records its own start; an engine that cannot start (no such model) fails its slot
+    with its reason, for a task awaiting the process it saw starting."""
+    import os
+
+    from spark_llm.engine_service import (ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, _await_server,
+                                          _starting_record, prestart_slots)
+    from spark_llm.errors import EngineStartError
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    spec = EngineSpec.from_config(BatchConfig(model=str(tmp_path / "no-such-model"), max_model_len=64))
+    slots = [Slot.cpu(n, executor=os.getpid()) for n in range(2)]
+    process = ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING")
+    assert prestart_slots(spec, process, slots, Executor(os.getpid(), dict(os.environ))) == slots
+    [launcher] = {_starting_record(s)["pid"] for s in slots}
+    for slot in slots:
+        with pytest.raises(EngineStartError, match="no-such-model"):
+            _await_server(slot, launcher)
+    starts = [e for e in read_events(tmp_path) if e["event"] == "start"]
+    assert sorted(e["slot"] for e in starts) == [s.name for s in slots]
+    assert len({e["pid"] for e in starts} | {launcher}) == 3  # an engine process per slot, neither the launcher
+    for slot, start in zip(slots, sorted(starts, key=lambda e: e["slot"])):
+        assert f"engine[{start['pid']}]" in slot.path(".log").read_text()  # each in its own slot's log

@@ -126,6 +126,61 @@ def test_a_local_driver_starts_its_executor_s_engines_with_the_environment_its_p
     assert not prestart(spec, process, slot, Executor(31337, env)) and len(spawned) == 1
 
 
+def test_cpu_slots_started_together_share_one_process_that_forks_their_engines_gpu_slots_get_one_each(
+        tmp_path, monkeypatch):
+    from spark_llm import engine_service
+    from spark_llm.engine_service import ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, prestart_slots
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    spawned = []
+
+    class Popen:  # the engine server's process, not started
+        def __init__(self, cmd, env, **kwargs):
+            spawned.append(cmd)
+            self.pid = 4242 + len(spawned)
+
+    monkeypatch.setattr(engine_service.subprocess, "Popen", Popen)
+    monkeypatch.setattr(engine_service, "process_alive", lambda pid: pid in (4243, 4244))
+    spec = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64))
+    process = ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING")
+    cpu = [Slot.cpu(n, executor=31337) for n in range(2)]
+    assert prestart_slots(spec, process, cpu, Executor(31337, {})) == cpu
+    [cmd] = spawned
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--slot"] == [s.name for s in cpu]
+    assert all(json.loads(s.path(".starting").read_text())["pid"] == 4243 for s in cpu)  # until it forks theirs
+    assert prestart_slots(spec, process, cpu, Executor(31337, {})) == [] and len(spawned) == 1  # starting already
+    gpu = [Slot.for_gpus(["0"]), Slot.for_gpus(["1"])]
+    assert prestart_slots(spec, process, gpu, Executor(31337, {})) == gpu
+    assert [c[c.index("--slot") + 1] for c in spawned[1:]] == ["gpu-0", "gpu-1"]  # a process (and a CUDA) each
+
+
+def test_a_task_awaiting_a_slot_s_engine_follows_the_process_forked_for_the_slot(tmp_path, monkeypatch):
+    """A process started for several slots forks each slot's engine and records it as the slot's (``launcher``
+    naming itself): a task awaiting the process it saw starting gets the forked engine's info when it is ready, and
+    that engine's reason, at once, when it could not start, while the other slots' engines still load."""
+    import subprocess
+    import sys
+
+    from spark_llm.engine_service import ENGINE_DIR_ENV, Slot, _await_server, _write_private
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    failed = subprocess.Popen([sys.executable, "-c", "pass"])
+    failed.wait()
+    try:
+        ready, broken = Slot("cpu-test-0"), Slot("cpu-test-1")
+        _write_private(ready.path(".json"), {"pid": 99999999, "launcher": launcher.pid, "key": "k", "authkey": "x"})
+        assert _await_server(ready, launcher.pid)["pid"] == 99999999
+        _write_private(broken.path(".starting"), {"pid": failed.pid, "launcher": launcher.pid, "key": "k"})
+        broken.path(".error").write_text("model /m not found")
+        with pytest.raises(EngineStartError, match="model /m not found"):
+            _await_server(broken, launcher.pid)  # not once the launcher has gone
+        assert launcher.poll() is None
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
 def test_engine_spec_maps_config_to_vllm_arguments():
     cfg = BatchConfig(model="/m", max_num_seqs=8, max_model_len=512, kv_cache_memory_bytes=1 << 28,
                       enforce_eager=True, engine_kwargs={"swap_space": 1})
@@ -565,7 +620,8 @@ def test_the_local_warm_up_starts_each_slot_s_engine_from_the_driver_or_leaves_i
     monkeypatch.setattr(waves, "_infer_context", lambda run, numbering: SimpleNamespace(
         cpu_slots=2, engine="the-spec", process="the-process"))
     started = []
-    monkeypatch.setattr(waves, "prestart", lambda spec, process, slot, executor: started.append((slot, executor)))
+    monkeypatch.setattr(waves, "prestart_slots",
+                        lambda spec, process, slots, executor: started.extend((s, executor) for s in slots))
     monkeypatch.setattr(waves, "local_executor", lambda spark: 31337)
     assert waves.prestart_here(run, {"spark.executorEnv.OMP_NUM_THREADS": "3"})
     assert [slot for slot, _ in started] == [Slot("cpu-31337-0"), Slot("cpu-31337-1")]
@@ -586,7 +642,8 @@ def test_spark_llm_run_starts_a_local_session_s_engines_before_its_jvm_named_by_
     from spark_llm.engine_service import Executor, Slot
 
     started = []
-    monkeypatch.setattr(waves, "prestart", lambda spec, process, slot, executor: started.append((spec, slot, executor)))
+    monkeypatch.setattr(waves, "prestart_slots",
+                        lambda spec, process, slots, executor: started.extend((spec, s, executor) for s in slots))
     cfg = BatchConfig(model=tiny_model, served_model_name="tiny-llm", max_model_len=1024, input="x",
                       output_dir="y", batch_id="b")
     assert waves.prestart_before_session(cfg, {"spark.executorEnv.OMP_NUM_THREADS": "3"}, "local[4]")
