@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -35,10 +35,12 @@ class Tables:
     histogram: list[tuple[int, int]]       #: (bucket start, requests) over prompt_tokens
 
     @classmethod
-    def read(cls, outputs: DataFrame, errors: DataFrame, buckets: int = 30) -> "Tables":
+    def read(cls, outputs: DataFrame, errors: DataFrame, buckets: int = 30,
+             then: Callable[[int], None] = lambda rows: None) -> "Tables":
         """The outputs' queries here, the errors' in a driver thread at the same time (each query over a Delta
-        table costs the driver a snapshot and a file listing, which overlap)."""
-        errs = SparkJobInBackground(errors.sparkSession, "spark_llm-error-tally", lambda: _error_tally(errors))
+        table costs the driver a snapshot and a file listing, which overlap); that thread then calls ``then`` with
+        the number of error rows (the report writes errors.jsonl there, knowing whether the table has any)."""
+        errs = SparkJobInBackground(errors.sparkSession, "spark_llm-error-tally", lambda: _error_tally(errors, then))
         o = outputs.agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("pt"),
                         F.sum("completion_tokens").alias("ct"), F.max("prompt_tokens").alias("top"),
                         F.slice(F.array_sort(F.collect_set("endpoint")), 1, 8).alias("endpoints")).first()
@@ -50,12 +52,14 @@ class Tables:
                    unattributed=unattributed, histogram=histogram)
 
 
-def _error_tally(errors: DataFrame) -> tuple[dict[str, int], BatchErrors]:
-    """Error rows by code, and errors.data (the lines without a usable custom_id)."""
+def _error_tally(errors: DataFrame, then: Callable[[int], None]) -> tuple[dict[str, int], BatchErrors]:
+    """Error rows by code, and errors.data (the lines without a usable custom_id); then ``then(error rows)``."""
     by_code = errors.groupBy("code").agg(F.count(F.lit(1)).alias("n"),
                                          F.count_if(F.col("custom_id").isNull()).alias("unattributed")).collect()
-    return ({r["code"]: int(r["n"]) for r in by_code},
-            unattributed_errors(errors, sum(int(r["unattributed"]) for r in by_code)))
+    tally = ({r["code"]: int(r["n"]) for r in by_code},
+             unattributed_errors(errors, sum(int(r["unattributed"]) for r in by_code)))
+    then(sum(tally[0].values()))
+    return tally
 
 
 def prompt_histogram(outputs: DataFrame, top: int, buckets: int = 30) -> list[tuple[int, int]]:
@@ -94,11 +98,12 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
     once, from driver threads (a 15-line batch spent 13 of its 50 s here one after the other, most of it the driver
     waiting on Delta snapshots and file listings); then batch.json and report.html."""
     run.describe("write OpenAI files, batch.json and the report")
-    files = SparkJobInBackground(run.spark, "spark_llm-files", lambda: write.write_openai_files(run))
+    files = SparkJobInBackground(run.spark, "spark_llm-files", lambda: write.write_output_file(run))
     usage = SparkJobInBackground(run.spark, "spark_llm-usage", lambda: batch_records(run))
     report_html.preload_in_background()  # imported already when inference ran
     try:
-        tables = Tables.read(write.outputs(run), write.errors(run))
+        tables = Tables.read(write.outputs(run), write.errors(run),
+                             then=lambda rows: write.write_error_file(run, rows))  # errors.jsonl
         records = usage.wait()
         plan = {**(outcome.plan or {}), **engine_usage(records)} if records else outcome.plan
         batch = BatchObject.completed(run, tables.tally, tables.unattributed, tables.endpoint, plan,

@@ -192,7 +192,15 @@ def error_lines(errors: DataFrame) -> DataFrame:
     return errors.orderBy("file", "line_number").select(line.alias("value"))
 
 
-def write_openai_files(run: RunContext) -> None:
-    """output.jsonl and errors.jsonl of the whole batch (every run of it), rebuilt from the tables."""
+def write_output_file(run: RunContext) -> None:
+    """output.jsonl of the whole batch (every run of it), rebuilt from the outputs table."""
     storage.write_single_text_file(run.spark, output_lines(outputs(run)), run.paths.output_file)
-    storage.write_single_text_file(run.spark, error_lines(errors(run)), run.paths.error_file)
+
+
+def write_error_file(run: RunContext, rows: int) -> None:
+    """errors.jsonl of the whole batch, rebuilt from the errors table, which holds ``rows`` rows of it (as the
+    report's tally of the table found): none, an empty file, without reading the table again."""
+    if rows:
+        storage.write_single_text_file(run.spark, error_lines(errors(run)), run.paths.error_file)
+    else:
+        storage.write_text_atomic(run.spark, run.paths.error_file, "")

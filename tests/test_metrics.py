@@ -60,13 +60,15 @@ def test_the_report_tallies_both_tables_at_once_and_lists_the_errors_without_a_c
         [("invalid_json", None, "line is not JSON", "in.jsonl", 9), ("invalid_json", None, "not JSON", "in.jsonl", 4),
          ("context_length_exceeded", "r-7", "prompt too long", "in.jsonl", 7)],
         "code string, custom_id string, message string, file string, line_number long")
-    tables = Tables.read(outputs, errors, buckets=4)
+    error_rows = []
+    tables = Tables.read(outputs, errors, buckets=4, then=error_rows.append)
     assert (tables.tally.completed, tables.tally.failed) == (3, 3)
     assert (tables.tally.input_tokens, tables.tally.output_tokens) == (50, 7)
     assert tables.endpoint == "/v1/chat/completions,/v1/embeddings"
     assert tables.errors_by_code == {"invalid_json": 2, "context_length_exceeded": 1}
     assert tables.unattributed.total == 2 and [e.line for e in tables.unattributed.data] == [4, 9]
     assert tables.histogram == [(0, 2), (40, 1)]  # width 10 over 40 tokens: 3 and 7 in the first bucket
+    assert error_rows == [3]  # errors.jsonl is written knowing the errors table's rows
 
 
 def test_the_timeline_puts_the_partitions_that_fed_an_engine_at_once_in_lanes_one_under_another():
