@@ -19,7 +19,7 @@ from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from . import report_html, write
+from . import write
 from .batch import BatchResult
 from .config import BatchConfig
 from .context import RunContext
@@ -82,7 +82,6 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
             run = write.insert_errors_meanwhile(run, write.error_rows(pending, run))
         plan = None
         if todo.ok:
-            report_html.preload_in_background()  # the report's plotting modules, while the engines work
             plan = infer_models(run, pending.where(F.col("error_code").isNull()), warmup,
                                 None if run.cfg.resume else ready.local)  # resumed: fewer rows pending than held
         elif run.cfg.resume:

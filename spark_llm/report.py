@@ -100,7 +100,6 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
     run.describe("write OpenAI files, batch.json and the report")
     files = SparkJobInBackground(run.spark, "spark_llm-files", lambda: write.write_output_file(run))
     usage = SparkJobInBackground(run.spark, "spark_llm-usage", lambda: batch_records(run))
-    report_html.preload_in_background()  # imported already when inference ran
     try:
         tables = Tables.read(write.outputs(run), write.errors(run),
                              then=lambda rows: write.write_error_file(run, rows))  # errors.jsonl

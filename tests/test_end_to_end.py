@@ -246,8 +246,11 @@ def test_report_html_has_the_summary_and_plots(run):
     result, expected, _ = run
     page = Path(result.batch.metadata["report_file"]).read_text(encoding="utf-8")
     assert page.startswith("<!doctype html>") and "Batch b-e2e" in page
-    for name in PLOTS:
-        assert f'alt="{name}" src="data:image/png;base64,' in page
+    for name in PLOTS:  # inline SVG, one bar per partition in the per-partition plots
+        assert f'<svg role="img" aria-label="{name}"' in page
+    partitions = len(result.batch.partition_plan["tokens_per_partition"])
+    balance = page.split(f'aria-label="{PLOTS[1]}"')[1].split("</svg>")[0]
+    assert balance.count("<rect") == partitions
     invalid_json = sum(1 for outcome in expected.values() if outcome == "invalid_json")
     assert "<td>engine_error</td><td>3</td>" in page and f"<td>invalid_json</td><td>{invalid_json}</td>" in page
     busy = result.batch.partition_plan["busy_fraction"]

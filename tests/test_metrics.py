@@ -98,3 +98,25 @@ def test_partition_records_land_in_the_metrics_table_as_they_were_recorded(spark
     assert [(r["run_id"], r["partition"], r["rows"]) for r in rows] == [("r1", 0, 7), ("r2", 1, 3)]
     assert rows[0]["started_at"].timestamp() == 1_700_000_000.25
     assert rows[0]["engine_seconds"] == 1.5 and rows[0]["finished_at"] is None and rows[0]["engine_pid"] is None
+
+
+def test_the_report_draws_its_plots_as_inline_svg_with_round_ticks_and_escaped_labels():
+    import xml.etree.ElementTree as ET
+
+    from spark_llm.report_html import PLOTS, engine_lanes, plots, ticks, timeline
+
+    assert ticks(40) == [0, 10, 20, 30, 40] and ticks(7) == [0, 2, 4, 6, 8] and ticks(0) == [0.0, 1.0]
+    assert ticks(1234) == [0, 500, 1000, 1500]
+    metrics = [{"partition": p, "engine_slot": "cpu-1-<0>", "engine_pid": 7, "started_at": 100.0 + p,
+                "finished_at": 105.0 + p, "tokens_per_second": 10.0 * (p + 1)} for p in range(3)]
+    svgs = plots([(0, 5), (10, 2), (20, 1)], {"tokens_per_partition": [10, 20, 30], "balance_ratio": 1.5}, metrics)
+    assert list(svgs) == list(PLOTS)
+    ns = "{http://www.w3.org/2000/svg}"
+    for name, svg in svgs.items():
+        root = ET.fromstring(svg)  # well-formed XML, slot names with < > escaped
+        assert root.get("aria-label") == name
+    bars = [r for r in ET.fromstring(svgs[PLOTS[1]]).iter(f"{ns}rect")]
+    assert [float(b.get("height")) for b in bars] == sorted(float(b.get("height")) for b in bars)  # 10 < 20 < 30
+    assert len(bars) == 3 and "mean 20" in svgs[PLOTS[1]]
+    assert "cpu-1-&lt;0&gt; pid 7" in svgs[PLOTS[3]] and svgs[PLOTS[3]].count("<rect") == 3
+    assert "<rect" not in timeline("empty", engine_lanes([]), "t", "s")  # no partitions: axes only
