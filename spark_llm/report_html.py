@@ -112,22 +112,24 @@ def timeline(name: str, lanes: list[tuple[str, list[tuple[dict, float, float]]]]
             tip = html.escape(f"partition {m['partition']}: {end - start:.1f} s")
             body.append(f'<rect x="{x(start):.1f}" y="{top + 2}" width="{max(x(end) - x(start), 0.5):.1f}" '
                         f'height="{LANE_HEIGHT - 4}" fill="#8172b2" stroke="#fff"><title>{tip}</title></rect>')
-            body.append(_text(x(start) + 3, top + LANE_HEIGHT / 2 + 4, f"p{m['partition']}", anchor="start",
-                              size=9, fill="#fff"))
+            inside = x(end) - x(start) >= 8 + 6 * len(str(m["partition"]))  # else after the bar, in the lane
+            body.append(_text(x(start) + 3 if inside else x(end) + 2, top + LANE_HEIGHT / 2 + 4,
+                              f"p{m['partition']}", anchor="start", size=9, fill="#fff" if inside else "#333"))
     return _frame(name, title, xlabel, "", height, x0, body)
 
 
 def plots(histogram: list[tuple[int, int]], plan: dict, metrics: list[dict]) -> dict[str, str]:
     """The report's plots as SVG, by name (:data:`PLOTS`)."""
     tokens = plan.get("tokens_per_partition") or []
+    by_partition = sorted(metrics, key=lambda m: m["partition"])
     return {
         PLOTS[0]: bar_chart(PLOTS[0], [_num(b) for b, _ in histogram], [n for _, n in histogram], "Prompt length",
                             "prompt tokens (bucket start)", "requests", "#4c72b0", adjacent=True),
         PLOTS[1]: bar_chart(PLOTS[1], [str(i) for i in range(len(tokens))], tokens,
                             f"Balance (max/mean {plan.get('balance_ratio', 1.0)})", "partition", "estimated tokens",
                             "#55a868", mean=sum(tokens) / len(tokens) if tokens else None),
-        PLOTS[2]: bar_chart(PLOTS[2], [str(m["partition"]) for m in metrics],
-                            [m["tokens_per_second"] or 0 for m in metrics], "Engine throughput per partition",
+        PLOTS[2]: bar_chart(PLOTS[2], [str(m["partition"]) for m in by_partition],
+                            [m["tokens_per_second"] or 0 for m in by_partition], "Engine throughput per partition",
                             "partition", "tokens / s", "#c44e52"),
         PLOTS[3]: timeline(PLOTS[3], engine_lanes(metrics), "Timeline of partitions per engine (each feeding task "
                            "in a lane)", "seconds since the first partition started"),

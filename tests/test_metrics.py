@@ -119,4 +119,6 @@ def test_the_report_draws_its_plots_as_inline_svg_with_round_ticks_and_escaped_l
     assert [float(b.get("height")) for b in bars] == sorted(float(b.get("height")) for b in bars)  # 10 < 20 < 30
     assert len(bars) == 3 and "mean 20" in svgs[PLOTS[1]]
     assert "cpu-1-&lt;0&gt; pid 7" in svgs[PLOTS[3]] and svgs[PLOTS[3]].count("<rect") == 3
+    shuffled = plots([], {}, [metrics[2], metrics[0], metrics[1]])[PLOTS[2]]  # records in the order they started
+    assert [t.text for t in ET.fromstring(shuffled).iter(f"{ns}title")] == ["0: 10", "1: 20", "2: 30"]
     assert "<rect" not in timeline("empty", engine_lanes([]), "t", "s")  # no partitions: axes only
