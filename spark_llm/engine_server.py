@@ -41,8 +41,8 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from .engine_service import (EVENTS_FILE, STOP_TIMEOUT_SECONDS, Output, RequestFailure, Slot, _plain, _try_lock,
-                             _write_private, engine_dir, process_alive)
+from .engine_service import (EVENTS_FILE, STOP_TIMEOUT_SECONDS, Output, RequestFailure, Slot, _plain,
+                             _starting_record, _try_lock, _write_private, engine_dir, process_alive)
 from .errors import EngineStartError
 
 log = logging.getLogger(__name__)
@@ -577,14 +577,9 @@ def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
 def _record_of(slot: Slot, pid: int) -> Optional[dict]:
     """The slot's starting record, once its starter has written it, if it names process ``pid``."""
     deadline = time.monotonic() + RECORD_WAIT_SECONDS
-    while True:
-        try:
-            record = json.loads(slot.path(".starting").read_text())
-            return record if record.get("pid") == pid else None
-        except (OSError, ValueError):
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
+    while (record := _starting_record(slot)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return record if record is not None and record.get("pid") == pid else None
 
 
 def serve(argv: Optional[Sequence[str]] = None) -> int:
@@ -652,8 +647,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
             "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time(),
             **({"launcher": launcher} if launcher is not None else {})}
     _write_private(slot.path(".json"), info)
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(slot.path(".starting").read_text()).get("pid") == os.getpid():
+    with contextlib.suppress(OSError):
+        if (_starting_record(slot) or {}).get("pid") == os.getpid():
             slot.path(".starting").unlink()
     _event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
            load_seconds=round(load_s, 3))

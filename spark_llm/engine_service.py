@@ -489,8 +489,8 @@ def prestart_slots(spec: Any, process: ProcessSettings, slots: Sequence[Slot],
                 continue
             stop_engines_on(slot)
             started.append(slot)
-        shared = [s for s in started if not s.devices]
-        for group in ([shared] if len(shared) > 1 else [[s] for s in shared]) + [[s] for s in started if s.devices]:
+        cpu = [s for s in started if not s.devices]
+        for group in ([cpu] if cpu else []) + [[s] for s in started if s.devices]:
             _spawn_server(group, spec, process, executor)
     finally:
         for fd in locks:
@@ -598,12 +598,10 @@ def _await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None)
     request of the slot's other feeder can kill it between two looks): the caller's first call finds it gone."""
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
-        info = _read_ready(slot)
-        if info is not None and pid in (info.get("pid"), info.get("launcher")):
+        if (info := _ready_from(slot, pid)) is not None:
             return info
         if not _still_starting(slot, pid, proc):
-            info = _read_ready(slot)  # it wrote its info and its record went since the look above
-            if info is not None and pid in (info.get("pid"), info.get("launcher")):
+            if (info := _ready_from(slot, pid)) is not None:  # it wrote its info and its record went since
                 return info
             try:
                 reason = slot.path(".error").read_text().strip()
@@ -616,6 +614,12 @@ def _await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None)
         os.kill(pid, signal.SIGKILL)
     raise EngineStartError(f"the engine of slot {slot.name} did not start within {_START_TIMEOUT_S:.0f}s; see "
                            f"{slot.path('.log')}")
+
+
+def _ready_from(slot: Slot, pid: int) -> Optional[dict]:
+    """The slot's ready info when server ``pid`` (or the engine process it forked for the slot) wrote it."""
+    info = _read_ready(slot)
+    return info if info is not None and pid in (info.get("pid"), info.get("launcher")) else None
 
 
 def _still_starting(slot: Slot, pid: int, proc: Optional[subprocess.Popen]) -> bool:
