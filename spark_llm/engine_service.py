@@ -313,13 +313,14 @@ class EngineClient:
 
     def stream(self, requests: list[tuple[list[int], dict, dict]],
                on_result: Callable[[int, "Output | RequestFailure"], None],
-               sent: Optional[Callable[[], None]] = None) -> None:
+               starting: Optional[Callable[[], None]] = None) -> None:
         """:meth:`generate`, streamed: ``on_result(index, result)`` as each request finishes (in the order they
         finish), while the engine goes on with the rest; the requests go over in chunks, the first of which the
         engine starts on while the others are on their way. :class:`EngineGone` when the engine was gone (or
         stopping) before the call: it is asked first, since the slot's other feeder may have lost it since this
-        task's last call; :class:`EngineDied` when it died during the call. ``sent()`` once every request of the
-        call is on its way."""
+        task's last call; :class:`EngineDied` when it died during the call. ``starting()`` once the engine has answered
+        the call's ping, before its requests go over (fault drills kill the engine there: it then dies with the whole
+        call in flight and cannot have answered any of it, as under a real poison request)."""
         try:
             if self._conn is None:
                 raise EOFError
@@ -330,12 +331,12 @@ class EngineClient:
         if status == "gone":
             raise EngineGone(f"engine of slot {self.slot.name}: {value}")
         try:
+            if starting is not None:
+                starting()
             self._conn.send(("stream", len(requests)))
             for start in range(0, len(requests), STREAM_CHUNK):
                 self._conn.send(("add", [(i, requests[i]) for i in range(start, min(start + STREAM_CHUNK,
                                                                                        len(requests)))]))
-            if sent is not None:
-                sent()
             while True:
                 status, value = self._conn.recv()
                 if status != "results":

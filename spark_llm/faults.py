@@ -8,8 +8,9 @@ The value is one or more faults separated by ``;``:
 - ``crash_on_custom_id:<custom_id>`` (executors): the Python worker dies hard (as if OOM-killed) whenever an
   engine call holding that request starts: a poison request that takes its task down on every attempt.
 - ``kill_engine_on_custom_id:<custom_id>`` (executors): the task kills its engine process (``SIGKILL``) whenever an
-  engine call holding that request has been sent: a poison request that crashes the engine under a live worker
-  (and under the engine's other feeder).
+  engine call holding that request starts (the engine up, the call's requests about to go over, so the engine never
+  answers any of them): a poison request that crashes the engine under a live worker (and under the engine's other
+  feeder).
 - ``kill_executor_once:<marker path>:<custom_id>`` (executors): the task kills its executor's JVM (``SIGKILL``)
   once, as an engine call holding that request starts: an executor lost mid-wave.
 - ``exit_after_wave:<N>`` (driver): the driver exits hard right after committing wave N.
@@ -70,9 +71,10 @@ def before_engine_call(custom_ids: Collection[str]) -> None:
             os._exit(137)
 
 
-def engine_call_sent(custom_ids: Collection[str], engine_pid: Optional[int]) -> None:
-    """``kill_engine_on_custom_id``: called by an inference task once an engine call's requests are on their way
-    to the engine."""
+def engine_call_starting(custom_ids: Collection[str], engine_pid: Optional[int]) -> None:
+    """``kill_engine_on_custom_id``: called by an inference task as an engine call starts, the engine up and the
+    call's requests about to go over. Killed any later, an engine fast enough (a 2-token request) could answer the
+    call before the signal lands, and the drill would pass a request that, for real, never gets an answer."""
     for args in _faults("kill_engine_on_custom_id"):
         if args[0] in custom_ids and engine_pid:
             log.error("fault injection: killing engine process %d with %r in flight", engine_pid, args[0])

@@ -189,7 +189,7 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
                     custom_ids = {str(pdf["custom_id"].iat[i]) for i in rows}
                     faults.before_engine_call(custom_ids)
                     engine.stream([requests[j] for j in idx], got,
-                                  sent=lambda: faults.engine_call_sent(custom_ids, engine.info.get("pid")))
+                                  starting=lambda: faults.engine_call_starting(custom_ids, engine.info.get("pid")))
                     if marker is not None:
                         journal.clear(marker)
         except EngineGone as exc:  # lost before the call (under the slot's other feeder): nothing was in flight

@@ -107,7 +107,7 @@ class FakeEngine:
         finally:
             self.alone_now = False
 
-    def stream(self, requests, on_result, sent=None):
+    def stream(self, requests, on_result, starting=None):
         self.calls.append([r[0] for r in requests])
         self.alone_calls.append(self.alone_now)
         if not self.streams and any(r[0] in self.poison for r in requests):
@@ -188,11 +188,11 @@ def test_an_engine_gone_before_a_call_is_replaced_and_the_call_made_again_withou
     from spark_llm.engine_service import EngineGone
 
     class GoneOnce(FakeEngine):
-        def stream(self, requests, on_result, sent=None):
+        def stream(self, requests, on_result, starting=None):
             if not self.calls:
                 self.calls.append(None)
                 raise EngineGone("engine of slot cpu-1-0: the engine process (pid 7) has ended")
-            super().stream(requests, on_result, sent)
+            super().stream(requests, on_result, starting)
 
         def rebuild(self, died=True):
             self.rebuilds += died
