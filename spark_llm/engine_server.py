@@ -574,6 +574,18 @@ def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
     os._exit(0)
 
 
+def record_tokenizer_class(settings: dict) -> None:
+    """Decide the class of the engine's tokenizer for the processes counting tokens on this host
+    (:func:`~spark_llm.tokens.decide_tokenizer_class`): this process imports transformers' configuration classes,
+    and torch, anyway, where each of them would import them for that alone. A local model directory only (a URI's
+    copies differ between the engine and the counting)."""
+    from .tokens import decide_tokenizer_class
+
+    path = settings.get("tokenizer") or settings.get("model")
+    if isinstance(path, str) and os.path.isdir(path):
+        decide_tokenizer_class(path)
+
+
 def _record_of(slot: Slot, pid: int) -> Optional[dict]:
     """The slot's starting record, once its starter has written it, if it names process ``pid``."""
     deadline = time.monotonic() + RECORD_WAIT_SECONDS
@@ -594,11 +606,13 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
     launcher, t0 = None, time.monotonic()
+    settings = json.loads(Path(args.spec_file).read_text())
     if len(args.slot) > 1:
         if args.devices:
             p.error("several slots share a process only without devices")
         log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
         import_engine(ENGINE_MODULES)
+        record_tokenizer_class(settings)  # its modules, imported here, serve the engines' own tokenizers too
         slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
     else:
         slot = Slot(args.slot[0], tuple(d for d in args.devices.split(",") if d))
@@ -618,10 +632,11 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     if launcher is None:
         t0 = time.monotonic()
         import_engine()
+        record_tokenizer_class(settings)
     from .endpoints.engine_side import Parsers
     from .engine import EngineSpec, build_engine
 
-    spec = EngineSpec(settings=json.loads(Path(args.spec_file).read_text()))
+    spec = EngineSpec(settings=settings)
     try:
         server.engine = build_engine(spec)
         server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs

@@ -9,13 +9,15 @@ daemon, with two start-up costs paid once per executor instead of once per Pytho
   ``SPARK_HOME``): the same code, byte for byte. Any other Spark's zips stay where Spark put them.
 - ``pyspark.worker`` is imported before the daemon forks its workers, so each worker starts with it. It starts no
   thread (checked in the tests); pandas and pyarrow, which do, are imported by each worker after the fork, as
-  pyspark's daemon does.
+  pyspark's daemon does. Its objects are then frozen (``gc.freeze``, as Python's docs advise before forking):
+  pyspark collects garbage after every task of a reused worker, and need not walk them each time.
 
 Spark runs it as ``python -m spark_llm.worker_daemon pyspark.worker``; everything else is pyspark's daemon.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from importlib.machinery import PathFinder
@@ -41,6 +43,7 @@ def main() -> None:
     import pyspark.worker  # noqa: F401  (thread-free: imported once here, inherited by every forked worker)
     from pyspark import daemon
 
+    gc.freeze()  # what the workers inherit stays out of the collections pyspark runs after each of their tasks
     daemon.manager()
 
 

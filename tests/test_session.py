@@ -130,7 +130,10 @@ def test_a_local_session_s_python_workers_run_pyspark_from_its_package_with_its_
         for _ in batches:
             import pyspark
             yield pd.DataFrame({"zips": [sum(p.endswith(".zip") and "pyspark" in p for p in sys.path)],
-                                "pyspark": [pyspark.__file__], "daemon": [sys.modules["__main__"].__spec__.name]})
+                                "pyspark": [pyspark.__file__], "daemon": [sys.modules["__main__"].__spec__.name],
+                                "frozen": [__import__("gc").get_freeze_count()]})
 
-    row = spark.range(1, numPartitions=1).mapInPandas(probe, "zips int, pyspark string, daemon string").first()
+    row = spark.range(1, numPartitions=1).mapInPandas(
+        probe, "zips int, pyspark string, daemon string, frozen long").first()
     assert row["zips"] == 0 and ".zip" not in row["pyspark"] and row["daemon"] == "spark_llm.worker_daemon"
+    assert row["frozen"] > 10_000  # what the daemon imported before forking: out of the per-task collections

@@ -143,11 +143,14 @@ def test_token_stage_counts_a_batch_and_passes_error_rows_through(tok, tiny_mode
     assert counted["max_tokens"].dtype == "Int64" and counted["prefix_key"].dtype == "Int64"
 
 
-def test_later_processes_load_the_tokenizer_class_autotokenizer_chose_without_torch(tiny_model, tmp_path):
-    """AutoTokenizer imports torch to decide; its choice is recorded on the host, so the next process loads that
-    class directly: the same tokenizer, the same token ids, and no torch in a process that only counts tokens."""
+def test_tokenizers_load_without_torch_the_class_autotokenizer_chose_in_a_child_process(tiny_model, tmp_path):
+    """AutoTokenizer imports torch to decide which class to load; the decision is made once per host in a child
+    process and recorded, so no process that counts tokens imports torch (its first or later ones), and each gets
+    AutoTokenizer's own class and token ids."""
     import subprocess
     import sys
+
+    from transformers import AutoTokenizer
 
     probe = ("import json, sys; from spark_llm.tokens import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
              "print(json.dumps([type(t).__name__, 'torch' in sys.modules, t.encode(t.apply_chat_template("
@@ -156,6 +159,61 @@ def test_later_processes_load_the_tokenizer_class_autotokenizer_chose_without_to
     env = {**__import__("os").environ, "SPARK_LLM_MODEL_CACHE": str(tmp_path)}
     first, second = (json.loads(subprocess.run([sys.executable, "-c", probe, tiny_model], env=env, check=True,
                                                capture_output=True, text=True).stdout) for _ in range(2))
-    assert first[1] and not second[1]  # AutoTokenizer brought torch; the recorded class did not
-    assert first[0] == second[0] and first[2] == second[2] and len(first[2]) > 5
+    auto = AutoTokenizer.from_pretrained(tiny_model)
+    expected = auto.encode(auto.apply_chat_template([{"role": "user", "content": "hello 世界"}], tokenize=False,
+                                                    add_generation_prompt=True), add_special_tokens=False)
+    assert not first[1] and not second[1]  # neither the process that had it decided nor the next imported torch
+    assert first[0] == second[0] == type(auto).__name__
+    assert first[2] == second[2] == expected and len(expected) > 5
     assert len(list(tmp_path.glob("tokenizer-class-*.txt"))) == 1
+
+
+def test_a_worker_keeps_a_loaded_tokenizer_out_of_the_collector_s_walks_but_the_driver_does_not(spark, tiny_model):
+    """pyspark runs gc.collect() after every task of a reused worker; a worker's tokenizer (kept for its life) is
+    frozen out of those walks. The driver is a user's process: its collector is left as it is."""
+    import gc
+
+    import pandas as pd
+
+    from spark_llm import tokens
+
+    tokens._TOKENIZERS.pop(tiny_model, None)  # load it again here
+    before = gc.get_freeze_count()
+    get_tokenizer(tiny_model)
+    assert gc.get_freeze_count() == before
+
+    def probe(batches):
+        import gc
+
+        from spark_llm import tokens
+
+        for _ in batches:
+            tokens._TOKENIZERS.pop(tiny_model, None)
+            frozen = gc.get_freeze_count()
+            tokens.get_tokenizer(tiny_model)
+            yield pd.DataFrame({"before": [frozen], "after": [gc.get_freeze_count()]})
+
+    row = spark.range(1, numPartitions=1).mapInPandas(probe, "before long, after long").first()
+    assert row["after"] > row["before"] > 0  # the worker daemon froze what it forked with, the tokenizer joined it
+
+
+def test_an_engine_starting_on_the_host_records_the_tokenizer_class_for_the_counting_workers(tiny_model, tmp_path):
+    """The engine process imports transformers' configuration classes (and torch) anyway: it decides the tokenizer
+    class, and a process counting tokens afterwards loads it without deciding it again."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    env = {**__import__("os").environ, "SPARK_LLM_MODEL_CACHE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", "import sys; from spark_llm.engine_server import record_tokenizer_class; "
+                    "record_tokenizer_class({'model': sys.argv[1], 'tokenizer': None})", tiny_model],
+                   env=env, check=True)
+    [record] = tmp_path.glob("tokenizer-class-*.txt")
+    assert record.read_text().strip().endswith(":" + type(AutoTokenizer.from_pretrained(tiny_model)).__name__)
+    stamp = record.stat().st_mtime_ns
+    probe = ("import sys; from spark_llm.tokens import load_tokenizer; load_tokenizer(sys.argv[1]); "
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, tiny_model], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    assert out.strip() == "False" and record.stat().st_mtime_ns == stamp  # read, not decided again
