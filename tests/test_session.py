@@ -88,14 +88,24 @@ def test_a_local_session_runs_a_block_s_jobs_in_its_fair_pool_and_restores_the_t
     assert not sc._jsc.sc().getPoolForName("spark_llm-never-used").isDefined()
 
 
+def test_a_local_session_s_jvm_compiles_with_the_client_compiler_into_the_tiered_code_cache_size(spark):
+    """C1 only, and room for its code: with C1 alone the JVM would reserve 48 MiB, which a long session fills, and
+    then stops compiling for the rest of its life."""
+    jvm = spark.sparkContext._jvm
+    bean = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
+    assert bean.getVMOption("TieredStopAtLevel").getValue() == "1"
+    assert int(bean.getVMOption("ReservedCodeCacheSize").getValue()) == 240 << 20
+
+
 def test_a_local_session_s_jvm_runs_the_serial_collector_unless_its_settings_choose_one(spark, tmp_path,
                                                                                        monkeypatch):
     jvm = spark.sparkContext._jvm
     collectors = {b.getName() for b in jvm.java.lang.management.ManagementFactory.getGarbageCollectorMXBeans()}
     assert collectors == {"Copy", "MarkSweepCompact"}  # the serial collector's two generations: the test session's
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    options = session.local_java_options({}).split()
-    assert options[:2] == [session.LOCAL_JAVA_OPTIONS, session.LOCAL_GC_OPTION]
+    options = session.local_java_options({})
+    assert options.startswith(f"{session.LOCAL_JAVA_OPTIONS} {session.LOCAL_GC_OPTION}")
     own = session.local_java_options({"spark.driver.extraJavaOptions": "-Xss4m -XX:+UseG1GC"}).split()
     assert session.LOCAL_GC_OPTION not in own and own[-2:] == ["-Xss4m", "-XX:+UseG1GC"]  # two collectors: no JVM
     kept = session.local_java_options({"spark.driver.extraJavaOptions": "-XX:+UseGCOverheadLimit"}).split()
