@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .engine_service import (EVENTS_FILE, STOP_TIMEOUT_SECONDS, Output, RequestFailure, Slot, _plain,
                              _starting_record, _try_lock, _write_private, engine_dir, process_alive)
@@ -547,12 +547,13 @@ def import_engine(modules: Sequence[str] = ()) -> None:
                 importlib.import_module(module)
 
 
-def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
+def fork_per_slot(slots: Sequence[Slot], then: Callable[[], None] = lambda: None) -> tuple[Slot, int]:
     """In a process started for several CPU slots (see :func:`~spark_llm.engine_service.prestart_slots`), once vLLM
     is imported: fork an engine process per slot and return, in each, its slot and this process's pid; this process
-    records each as its slot's starting server and exits. A slot whose record no longer names this process (its
-    start was called off: another engine took the slot) gets none. An engine start on a CPU is mostly imports
-    (about half of its 9-10 CPU-seconds); forked, the engines share them, and their pages."""
+    records each as its slot's starting server, runs ``then()`` (off the engines' way) and exits. A slot whose
+    record no longer names this process (its start was called off: another engine took the slot) gets none. An
+    engine start on a CPU is mostly imports (about half of its 9-10 CPU-seconds); forked, the engines share them,
+    and their pages."""
     me = os.getpid()
     for slot in slots:
         record = _record_of(slot, me)
@@ -571,6 +572,8 @@ def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
             return slot, me
         _write_private(slot.path(".starting"), {**record, "pid": pid, "launcher": me})
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    with contextlib.suppress(Exception):
+        then()
     os._exit(0)
 
 
@@ -578,7 +581,8 @@ def record_tokenizer_class(settings: dict) -> None:
     """Decide the class of the engine's tokenizer for the processes counting tokens on this host
     (:func:`~spark_llm.tokens.decide_tokenizer_class`): this process imports transformers' configuration classes,
     and torch, anyway, where each of them would import them for that alone. A local model directory only (a URI's
-    copies differ between the engine and the counting)."""
+    copies differ between the engine and the counting). A process that forks engines does it once they are forked,
+    beside their loads; a lone engine before it builds (some 0.5 s)."""
     from .tokens import decide_tokenizer_class
 
     path = settings.get("tokenizer") or settings.get("model")
@@ -612,8 +616,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
             p.error("several slots share a process only without devices")
         log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
         import_engine(ENGINE_MODULES)
-        record_tokenizer_class(settings)  # its modules, imported here, serve the engines' own tokenizers too
-        slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
+        slot, launcher = fork_per_slot([Slot(name) for name in args.slot],
+                                       then=lambda: record_tokenizer_class(settings))
     else:
         slot = Slot(args.slot[0], tuple(d for d in args.devices.split(",") if d))
     server = EngineServer(slot, args.key, args.watch_pid, args.idle_timeout)

@@ -91,14 +91,14 @@ def load_tokenizer(model_dir: str) -> Any:
 
 
 def decide_tokenizer_class(model_dir: str) -> None:
-    """:func:`load_tokenizer`'s class for ``model_dir`` decided in this process and recorded, unless it is already:
-    for a process that imports torch anyway (an engine starting), so that the processes counting tokens on this
-    host find the record instead of deciding it themselves. A head start only: a directory AutoTokenizer cannot
-    read records nothing (the counting says why)."""
+    """:func:`load_tokenizer`'s class for ``model_dir`` decided in this process and recorded, unless it is already,
+    or another process is deciding it (this one does not wait): for a process that imports torch anyway (an engine
+    starting), so that the processes counting tokens on this host find the record instead of deciding it
+    themselves. A head start only: a directory AutoTokenizer cannot read records nothing (the counting says why)."""
     record = _class_record(model_dir)
     if _recorded_class(record) is None:
-        with _host_lock(record), contextlib.suppress(Exception):
-            if _recorded_class(record) is None:
+        with _host_lock(record, wait=False) as held, contextlib.suppress(Exception):
+            if held and _recorded_class(record) is None:
                 _decide_class(model_dir, record, in_child=False)
 
 
@@ -162,15 +162,19 @@ def _decide_class(model_dir: str, record: Any, in_child: bool) -> Any:
 
 
 @contextlib.contextmanager
-def _host_lock(record: Any) -> Iterator[None]:
+def _host_lock(record: Any, wait: bool = True) -> Iterator[bool]:
     """An exclusive lock on ``record`` among the processes of this host (a file beside it; released when the block
-    ends, or the process does)."""
+    ends, or the process does); yields whether it is held (always, when ``wait``)."""
     import fcntl
 
     fd = os.open(record.with_name(record.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)
 

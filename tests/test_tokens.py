@@ -217,3 +217,19 @@ def test_an_engine_starting_on_the_host_records_the_tokenizer_class_for_the_coun
     out = subprocess.run([sys.executable, "-c", probe, tiny_model], env=env, check=True, capture_output=True,
                          text=True).stdout
     assert out.strip() == "False" and record.stat().st_mtime_ns == stamp  # read, not decided again
+
+
+def test_an_engine_does_not_wait_for_another_process_deciding_the_tokenizer_class(tiny_model, tmp_path,
+                                                                                  monkeypatch):
+    """A worker's child deciding the class holds the host's lock for seconds (it imports torch); an engine start
+    must not wait for it: it leaves the decision to that process."""
+    from spark_llm import tokens
+
+    monkeypatch.setenv("SPARK_LLM_MODEL_CACHE", str(tmp_path))
+    record = tokens._class_record(tiny_model)
+    with tokens._host_lock(record) as held:
+        assert held
+        tokens.decide_tokenizer_class(tiny_model)  # returns at once: another process is deciding
+        assert not record.exists()
+    tokens.decide_tokenizer_class(tiny_model)
+    assert record.exists() and tokens._recorded_class(record) is not None
