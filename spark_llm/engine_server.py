@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from .engine_service import (EVENTS_FILE, STOP_TIMEOUT_SECONDS, Output, RequestFailure, Slot, _plain,
                              _starting_record, _try_lock, _write_private, engine_dir, process_alive)
@@ -547,13 +547,12 @@ def import_engine(modules: Sequence[str] = ()) -> None:
                 importlib.import_module(module)
 
 
-def fork_per_slot(slots: Sequence[Slot], then: Callable[[], None] = lambda: None) -> tuple[Slot, int]:
+def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
     """In a process started for several CPU slots (see :func:`~spark_llm.engine_service.prestart_slots`), once vLLM
     is imported: fork an engine process per slot and return, in each, its slot and this process's pid; this process
-    records each as its slot's starting server, runs ``then()`` (off the engines' way) and exits. A slot whose
-    record no longer names this process (its start was called off: another engine took the slot) gets none. An
-    engine start on a CPU is mostly imports (about half of its 9-10 CPU-seconds); forked, the engines share them,
-    and their pages."""
+    records each as its slot's starting server and exits. A slot whose record no longer names this process (its
+    start was called off: another engine took the slot) gets none. An engine start on a CPU is mostly imports
+    (about half of its 9-10 CPU-seconds); forked, the engines share them, and their pages."""
     me = os.getpid()
     for slot in slots:
         record = _record_of(slot, me)
@@ -572,22 +571,19 @@ def fork_per_slot(slots: Sequence[Slot], then: Callable[[], None] = lambda: None
             return slot, me
         _write_private(slot.path(".starting"), {**record, "pid": pid, "launcher": me})
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    with contextlib.suppress(Exception):
-        then()
     os._exit(0)
 
 
-def record_tokenizer_class(settings: dict) -> None:
-    """Decide the class of the engine's tokenizer for the processes counting tokens on this host
-    (:func:`~spark_llm.tokens.decide_tokenizer_class`): this process imports transformers' configuration classes,
+def tokenizer_class_decided(settings: dict) -> Any:
+    """A block (the engine's imports) after which this process decides the class of the engine's tokenizer for the
+    processes counting tokens on this host, which wait for it meanwhile
+    (:func:`~spark_llm.tokens.deciding_tokenizer_class`): this process imports transformers' configuration classes,
     and torch, anyway, where each of them would import them for that alone. A local model directory only (a URI's
-    copies differ between the engine and the counting). A process that forks engines does it once they are forked,
-    beside their loads; a lone engine before it builds (some 0.5 s)."""
-    from .tokens import decide_tokenizer_class
+    copies differ between the engine and the counting)."""
+    from .tokens import deciding_tokenizer_class
 
     path = settings.get("tokenizer") or settings.get("model")
-    if isinstance(path, str) and os.path.isdir(path):
-        decide_tokenizer_class(path)
+    return deciding_tokenizer_class(path) if isinstance(path, str) and os.path.isdir(path) else contextlib.nullcontext()
 
 
 def _record_of(slot: Slot, pid: int) -> Optional[dict]:
@@ -615,9 +611,9 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         if args.devices:
             p.error("several slots share a process only without devices")
         log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
-        import_engine(ENGINE_MODULES)
-        slot, launcher = fork_per_slot([Slot(name) for name in args.slot],
-                                       then=lambda: record_tokenizer_class(settings))
+        with tokenizer_class_decided(settings):  # its modules, imported here, serve the engines' tokenizers too
+            import_engine(ENGINE_MODULES)
+        slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
     else:
         slot = Slot(args.slot[0], tuple(d for d in args.devices.split(",") if d))
     server = EngineServer(slot, args.key, args.watch_pid, args.idle_timeout)
@@ -635,8 +631,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
 
     if launcher is None:
         t0 = time.monotonic()
-        import_engine()
-        record_tokenizer_class(settings)
+        with tokenizer_class_decided(settings):
+            import_engine()
     from .endpoints.engine_side import Parsers
     from .engine import EngineSpec, build_engine
 

@@ -62,6 +62,9 @@ def _keep_for_life() -> None:
 
 #: Files whose contents decide which tokenizer class transformers' AutoTokenizer picks for a model directory.
 _CLASS_INPUTS = ("tokenizer_config.json", "config.json", "tokenizer.json", "special_tokens_map.json")
+#: Seconds a process counting tokens waits for the one deciding its tokenizer's class on this host (an engine
+#: importing torch, or another worker's child) before it decides it without waiting.
+DECISION_WAIT_SECONDS = 60.0
 #: Run in a child process by :func:`_decide_class`: AutoTokenizer's choice for a model directory, as module:name.
 _DECIDE_CLASS = ("import sys; from transformers import AutoTokenizer; "
                  "c = type(AutoTokenizer.from_pretrained(sys.argv[1])); print(f'{c.__module__}:{c.__name__}')")
@@ -73,14 +76,14 @@ def load_tokenizer(model_dir: str) -> Any:
     a Python worker's first task, and every later task's ``gc.collect()`` (pyspark's, between tasks) walking torch's
     objects too (0.2 s a task against 0.05 s without). So the class is decided once per host and recorded (per
     tokenizer files and transformers version, in the model cache), by a process that imports torch anyway (an
-    engine starting on this host, :func:`decide_tokenizer_class`) or else by a child process of the first worker
+    engine starting on this host, :func:`deciding_tokenizer_class`) or else by a child process of the first worker
     that needs it, which the workers starting beside it wait for (a lock beside the record); this process, and every
     later one, loads that class directly. A class from outside transformers (remote code) is not recorded:
     AutoTokenizer loads it here, as before."""
     record = _class_record(model_dir)
     cls = _recorded_class(record)
     if cls is None:
-        with _host_lock(record):
+        with _host_lock(record, wait=DECISION_WAIT_SECONDS):
             cls = _recorded_class(record) or _decide_class(model_dir, record, in_child=True)
     if cls is not None:
         with contextlib.suppress(Exception):  # else AutoTokenizer, and its error
@@ -90,15 +93,22 @@ def load_tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)  # its own error for a directory that holds no tokenizer
 
 
-def decide_tokenizer_class(model_dir: str) -> None:
-    """:func:`load_tokenizer`'s class for ``model_dir`` decided in this process and recorded, unless it is already,
-    or another process is deciding it (this one does not wait): for a process that imports torch anyway (an engine
-    starting), so that the processes counting tokens on this host find the record instead of deciding it
-    themselves. A head start only: a directory AutoTokenizer cannot read records nothing (the counting says why)."""
+@contextlib.contextmanager
+def deciding_tokenizer_class(model_dir: str) -> Iterator[None]:
+    """For a process about to import torch anyway (an engine starting): the decision on ``model_dir``'s tokenizer
+    class held while the block runs (those imports), then taken here and recorded, unless it is recorded already or
+    another process holds it (this one then does not wait). The processes counting tokens on this host meanwhile
+    wait for the record (:data:`DECISION_WAIT_SECONDS` at most) instead of importing torch to decide it themselves,
+    on the cores the engine loads on. A head start only: a directory AutoTokenizer cannot read records nothing (the
+    counting says why)."""
     record = _class_record(model_dir)
-    if _recorded_class(record) is None:
-        with _host_lock(record, wait=False) as held, contextlib.suppress(Exception):
-            if held and _recorded_class(record) is None:
+    if _recorded_class(record) is not None:
+        yield
+        return
+    with _host_lock(record, wait=False) as held:
+        yield
+        if held and _recorded_class(record) is None:
+            with contextlib.suppress(Exception):
                 _decide_class(model_dir, record, in_child=False)
 
 
@@ -162,18 +172,24 @@ def _decide_class(model_dir: str, record: Any, in_child: bool) -> Any:
 
 
 @contextlib.contextmanager
-def _host_lock(record: Any, wait: bool = True) -> Iterator[bool]:
+def _host_lock(record: Any, wait: float = 0.0) -> Iterator[bool]:
     """An exclusive lock on ``record`` among the processes of this host (a file beside it; released when the block
-    ends, or the process does); yields whether it is held (always, when ``wait``)."""
+    ends, or the process does), waited for ``wait`` seconds at most; yields whether it is held."""
     import fcntl
+    import time
 
     fd = os.open(record.with_name(record.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    deadline = time.monotonic() + wait
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
         yield True
     finally:
         os.close(fd)

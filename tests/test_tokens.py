@@ -197,26 +197,30 @@ def test_a_worker_keeps_a_loaded_tokenizer_out_of_the_collector_s_walks_but_the_
     assert row["after"] > row["before"] > 0  # the worker daemon froze what it forked with, the tokenizer joined it
 
 
-def test_an_engine_starting_on_the_host_records_the_tokenizer_class_for_the_counting_workers(tiny_model, tmp_path):
-    """The engine process imports transformers' configuration classes (and torch) anyway: it decides the tokenizer
-    class, and a process counting tokens afterwards loads it without deciding it again."""
+def test_a_worker_waits_for_the_engine_deciding_the_tokenizer_class_and_loads_what_it_recorded(tiny_model,
+                                                                                              tmp_path):
+    """The engine process imports transformers' configuration classes (and torch) anyway: it holds the decision while
+    it imports, then takes it; a process counting tokens meanwhile waits for the record instead of deciding (here it
+    could not: its own way of deciding is taken away) and never imports torch."""
     import subprocess
     import sys
 
     from transformers import AutoTokenizer
 
     env = {**__import__("os").environ, "SPARK_LLM_MODEL_CACHE": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", "import sys; from spark_llm.engine_server import record_tokenizer_class; "
-                    "record_tokenizer_class({'model': sys.argv[1], 'tokenizer': None})", tiny_model],
-                   env=env, check=True)
-    [record] = tmp_path.glob("tokenizer-class-*.txt")
-    assert record.read_text().strip().endswith(":" + type(AutoTokenizer.from_pretrained(tiny_model)).__name__)
-    stamp = record.stat().st_mtime_ns
-    probe = ("import sys; from spark_llm.tokens import load_tokenizer; load_tokenizer(sys.argv[1]); "
-             "print('torch' in sys.modules)")
+    engine = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom spark_llm.engine_server import tokenizer_class_decided\n"
+         "with tokenizer_class_decided({'model': sys.argv[1], 'tokenizer': None}):\n"
+         "    print('importing', flush=True)\n    time.sleep(2)\n", tiny_model], env=env, stdout=subprocess.PIPE,
+        text=True)
+    assert engine.stdout.readline().strip() == "importing"
+    probe = ("import sys; from spark_llm import tokens; tokens._decide_class = None; "
+             "t = tokens.load_tokenizer(sys.argv[1]); print(type(t).__name__, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe, tiny_model], env=env, check=True, capture_output=True,
                          text=True).stdout
-    assert out.strip() == "False" and record.stat().st_mtime_ns == stamp  # read, not decided again
+    assert engine.wait(timeout=60) == 0
+    assert out.split() == [type(AutoTokenizer.from_pretrained(tiny_model)).__name__, "False"]
+    [record] = tmp_path.glob("tokenizer-class-*.txt")
 
 
 def test_an_engine_does_not_wait_for_another_process_deciding_the_tokenizer_class(tiny_model, tmp_path,
@@ -229,7 +233,9 @@ def test_an_engine_does_not_wait_for_another_process_deciding_the_tokenizer_clas
     record = tokens._class_record(tiny_model)
     with tokens._host_lock(record) as held:
         assert held
-        tokens.decide_tokenizer_class(tiny_model)  # returns at once: another process is deciding
+        with tokens.deciding_tokenizer_class(tiny_model):  # returns at once: another process is deciding
+            pass
         assert not record.exists()
-    tokens.decide_tokenizer_class(tiny_model)
+    with tokens.deciding_tokenizer_class(tiny_model):
+        pass
     assert record.exists() and tokens._recorded_class(record) is not None
