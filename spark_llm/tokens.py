@@ -105,7 +105,7 @@ def deciding_tokenizer_class(model_dir: str) -> Iterator[None]:
     if _recorded_class(record) is not None:
         yield
         return
-    with _host_lock(record, wait=False) as held:
+    with _host_lock(record, wait=0.0) as held:
         yield
         if held and _recorded_class(record) is None:
             with contextlib.suppress(Exception):
