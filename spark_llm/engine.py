@@ -65,6 +65,11 @@ class EngineSpec:
         return self.settings["model"]
 
     @property
+    def tokenizer(self) -> str:
+        """The tokenizer's directory: the model's unless set."""
+        return self.settings.get("tokenizer") or self.model
+
+    @property
     def tensor_parallel_size(self) -> int:
         return self.settings["tensor_parallel_size"]
 
@@ -81,7 +86,7 @@ class EngineSpec:
                 kw.setdefault(outer, {})[inner] = value
             else:
                 kw[outer] = value
-        kw["tokenizer"] = kw.get("tokenizer") or self.model
+        kw["tokenizer"] = self.tokenizer
         if self.settings.get("lora_modules"):
             kw["enable_lora"] = True
         else:  # vLLM's LoRA limits mean nothing without adapters

@@ -580,9 +580,10 @@ def tokenizer_class_decided(settings: dict) -> Any:
     (:func:`~spark_llm.tokens.deciding_tokenizer_class`): this process imports transformers' configuration classes,
     and torch, anyway, where each of them would import them for that alone. A local model directory only (a URI's
     copies differ between the engine and the counting)."""
+    from .engine import EngineSpec
     from .tokens import deciding_tokenizer_class
 
-    path = settings.get("tokenizer") or settings.get("model")
+    path = EngineSpec(settings).tokenizer
     return deciding_tokenizer_class(path) if isinstance(path, str) and os.path.isdir(path) else contextlib.nullcontext()
 
 

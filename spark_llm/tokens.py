@@ -65,9 +65,8 @@ _CLASS_INPUTS = ("tokenizer_config.json", "config.json", "tokenizer.json", "spec
 #: Seconds a process counting tokens waits for the one deciding its tokenizer's class on this host (an engine
 #: importing torch, or another worker's child) before it decides it without waiting.
 DECISION_WAIT_SECONDS = 60.0
-#: Run in a child process by :func:`_decide_class`: AutoTokenizer's choice for a model directory, as module:name.
-_DECIDE_CLASS = ("import sys; from transformers import AutoTokenizer; "
-                 "c = type(AutoTokenizer.from_pretrained(sys.argv[1])); print(f'{c.__module__}:{c.__name__}')")
+#: Run in a child process by :func:`_decide_class`: :func:`autotokenizer_choice` printed.
+_DECIDE_CLASS = "import sys; from spark_llm.tokens import autotokenizer_choice; print(autotokenizer_choice(sys.argv[1]))"
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -153,10 +152,7 @@ def _decide_class(model_dir: str, record: Any, in_child: bool) -> Any:
             return None
         decided = (proc.stdout.strip().splitlines() or [""])[-1]
     else:
-        from transformers import AutoTokenizer
-
-        cls = type(AutoTokenizer.from_pretrained(model_dir))
-        decided = f"{cls.__module__}:{cls.__name__}"
+        decided = autotokenizer_choice(model_dir)
     module, _, name = decided.partition(":")
     try:
         cls = getattr(importlib.import_module(module), name) if module.startswith("transformers.") else None
@@ -171,28 +167,30 @@ def _decide_class(model_dir: str, record: Any, in_child: bool) -> Any:
     return cls
 
 
+def autotokenizer_choice(model_dir: str) -> str:
+    """The class AutoTokenizer loads for ``model_dir``, as ``module:name`` (imports torch)."""
+    from transformers import AutoTokenizer
+
+    cls = type(AutoTokenizer.from_pretrained(model_dir))
+    return f"{cls.__module__}:{cls.__name__}"
+
+
 @contextlib.contextmanager
 def _host_lock(record: Any, wait: float = 0.0) -> Iterator[bool]:
     """An exclusive lock on ``record`` among the processes of this host (a file beside it; released when the block
     ends, or the process does), waited for ``wait`` seconds at most; yields whether it is held."""
-    import fcntl
     import time
 
-    fd = os.open(record.with_name(record.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    from .engine_service import _try_lock
+
     deadline = time.monotonic() + wait
+    while (fd := _try_lock(record.with_name(record.name + ".lock"))) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.05)
-        yield True
+        yield fd is not None
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 @dataclass(frozen=True)
