@@ -45,7 +45,10 @@ def prepare_destination(run: RunContext) -> RunContext:
                 if not cfg.overwrite:
                     raise ConfigError(f"table {table} already holds rows of batch {run.batch_id!r}; pass --resume "
                                       f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
-                storage.delete_rows(spark, table, run.batch_id)
+                # redone: every table forgets the batch (a later --resume or report must not count the old runs)
+                for other in (paths.outputs_table, paths.errors_table, paths.metrics_table, paths.embeddings_table):
+                    storage.delete_rows(spark, other, run.batch_id)
+                break
     tables = [(paths.outputs_table, OUTPUTS_COLUMNS, OUTPUTS_STATS),
               (paths.errors_table, ERRORS_COLUMNS, ERRORS_STATS),
               (paths.metrics_table, METRICS_COLUMNS, ())]  # made now, not by the first wave's commit

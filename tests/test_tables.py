@@ -180,6 +180,9 @@ def test_catalog_table_run_into_managed_result_tables_and_the_same_batch_id(spar
     assert again.completed == 1 and again.failed == 1
     assert spark.table("llm.batch_outputs").where("batch_id = 'tbl-b'").count() == 1
     assert spark.table("llm.batch_errors").where("batch_id = 'tbl-b'").count() == 1
+    # the redone batch's metrics are its one run's: the report and a later --resume do not count the first run
+    runs = spark.table("llm.batch_metrics").where("batch_id = 'tbl-b'").select("run_id").distinct().count()
+    assert runs == 1 and again.batch.partition_plan["runs"] == 1
 
 
 @pytest.mark.engine
