@@ -28,7 +28,7 @@ from .prepare import check_size, count_outcomes, prepared
 from .quarantine import retry_budget_warning
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta, spark_conf
-from .waves import EngineWarmup, infer_models
+from .waves import EngineWarmup, Inferred, infer_models
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,10 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
             log.info("batch %s: resuming, %d requests already answered", run.batch_id, counts.rows - todo.rows)
         if todo.errors:  # committed while the requests infer
             run = write.insert_errors_meanwhile(run, write.error_rows(pending, run))
-        plan = None
+        inferred = Inferred(plan={})
         if todo.ok:
-            plan = infer_models(run, pending.where(F.col("error_code").isNull()), warmup,
-                                None if run.cfg.resume else ready.local)  # resumed: fewer rows pending than held
+            inferred = infer_models(run, pending.where(F.col("error_code").isNull()), warmup,
+                                    None if run.cfg.resume else ready.local)  # resumed: fewer rows pending than held
         elif run.cfg.resume:
             log.info("batch %s: nothing left to run; no new rows written", run.batch_id)
         write.wait_for_writes(run)  # they read the prepared rows: done before those are released
@@ -91,4 +91,5 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
         if pending is not requests:
             pending.unpersist()
         requests.unpersist()
-    return Outcome(plan=plan, skipped=counts.rows - todo.rows, in_progress_at=in_progress_at)
+    return Outcome(plan=inferred.plan or None, skipped=counts.rows - todo.rows, in_progress_at=in_progress_at,
+                   records=inferred.committed.records, error_rows=todo.errors + inferred.committed.error_rows)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -35,12 +35,14 @@ class Tables:
     histogram: list[tuple[int, int]]       #: (bucket start, requests) over prompt_tokens
 
     @classmethod
-    def read(cls, outputs: DataFrame, errors: DataFrame, buckets: int = 30,
+    def read(cls, outputs: DataFrame, errors: Optional[DataFrame], buckets: int = 30,
              then: Callable[[int], None] = lambda rows: None) -> "Tables":
         """The outputs' queries here, the errors' in a driver thread at the same time (each query over a Delta
         table costs the driver a snapshot and a file listing, which overlap); that thread then calls ``then`` with
-        the number of error rows (the report writes errors.jsonl there, knowing whether the table has any)."""
-        errs = SparkJobInBackground(errors.sparkSession, "spark_llm-error-tally", lambda: _error_tally(errors, then))
+        the number of error rows (the report writes errors.jsonl there, knowing whether the table has any).
+        ``errors`` None: the batch has no error rows (known without a query)."""
+        errs = SparkJobInBackground(outputs.sparkSession, "spark_llm-error-tally",
+                                    lambda: _error_tally(errors, then) if errors is not None else _no_errors(then))
         o = outputs.agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("pt"),
                         F.sum("completion_tokens").alias("ct"), F.max("prompt_tokens").alias("top"),
                         F.slice(F.array_sort(F.collect_set("endpoint")), 1, 8).alias("endpoints")).first()
@@ -60,6 +62,11 @@ def _error_tally(errors: DataFrame, then: Callable[[int], None]) -> tuple[dict[s
              unattributed_errors(errors, sum(int(r["unattributed"]) for r in by_code)))
     then(sum(tally[0].values()))
     return tally
+
+
+def _no_errors(then: Callable[[int], None]) -> tuple[dict[str, int], BatchErrors]:
+    then(0)
+    return {}, BatchErrors()
 
 
 def prompt_histogram(outputs: DataFrame, top: int, buckets: int = 30) -> list[tuple[int, int]]:
@@ -91,26 +98,36 @@ class Outcome:
     plan: Optional[dict]    #: the partition plan, None when nothing reached inference
     skipped: int            #: requests an earlier run of the batch had answered (resume)
     in_progress_at: int     #: when inference started
+    records: tuple[dict, ...] = ()  #: the metrics table's rows this run added (see write.metrics_rows)
+    error_rows: int = 0     #: the errors table's rows this run added (validation and inference)
 
 
 def finish(run: RunContext, outcome: Outcome) -> BatchResult:
     """The OpenAI files from the tables, the tallies of the tables and the partition records of every run, all at
     once, from driver threads (a 15-line batch spent 13 of its 50 s here one after the other, most of it the driver
-    waiting on Delta snapshots and file listings); then batch.json and report.html."""
+    waiting on Delta snapshots and file listings); then batch.json and report.html.
+
+    A run that is not a ``resume`` is the whole batch (an earlier run's rows were refused or deleted: see
+    write.prepare_destination): its partition records are the ones it committed, and a run that wrote no error
+    row has none to tally, so neither table is read again for them (each read of a Delta table that a run just
+    wrote costs its new snapshot: about a second of a short run, on the cores the files are written with)."""
     run.describe("write OpenAI files, batch.json and the report")
+    whole = not run.cfg.resume
     files = SparkJobInBackground(run.spark, "spark_llm-files", lambda: write.write_output_file(run))
-    usage = SparkJobInBackground(run.spark, "spark_llm-usage", lambda: batch_records(run))
+    usage = None if whole else SparkJobInBackground(run.spark, "spark_llm-usage", lambda: batch_records(run))
     try:
-        tables = Tables.read(write.outputs(run), write.errors(run),
+        errors = None if whole and not outcome.error_rows else write.errors(run)
+        tables = Tables.read(write.outputs(run), errors,
                              then=lambda rows: write.write_error_file(run, rows))  # errors.jsonl
-        records = usage.wait()
+        records = sorted_records(outcome.records) if usage is None else usage.wait()
         plan = {**(outcome.plan or {}), **engine_usage(records)} if records else outcome.plan
         batch = BatchObject.completed(run, tables.tally, tables.unattributed, tables.endpoint, plan,
                                       outcome.in_progress_at)
         report = report_html.render(batch.model_dump(), records, tables.histogram, tables.errors_by_code,
                                     time.time() - run.started)
     finally:
-        usage.thread.join()
+        if usage is not None:
+            usage.thread.join()
         files.wait()
     storage.write_text_atomic(run.spark, run.paths.report_file, report)
     storage.write_text_atomic(run.spark, run.paths.batch_file, batch.to_json())  # last: the batch is done
@@ -120,7 +137,7 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
 
 
 def batch_records(run: RunContext) -> list[dict]:
-    """The partition records of every run of the batch (committed wave by wave: see write.commit_metrics), so a
+    """The partition records of every run of the batch (committed wave by wave: see write.metrics_rows), so a
     resumed batch is reported whole. One small row per partition, never request rows."""
     if not storage.table_exists(run.spark, run.paths.metrics_table):
         return []
@@ -128,6 +145,11 @@ def batch_records(run: RunContext) -> list[dict]:
             .orderBy("started_at").collect())
     times = ("started_at", "finished_at", "engine_started_at", "engine_finished_at")
     return [{**r.asDict(), **{t: r[t].timestamp() for t in times if t in r and r[t] is not None}} for r in rows]
+
+
+def sorted_records(records: Sequence[dict]) -> list[dict]:
+    """Metrics rows in :func:`batch_records`' order (by ``started_at``, unknown first)."""
+    return sorted(records, key=lambda r: (r.get("started_at") is not None, r.get("started_at") or 0.0))
 
 
 def write_failed_batch(run: RunContext, exc: BaseException) -> None:

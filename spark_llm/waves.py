@@ -194,6 +194,26 @@ def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
 
 
 @dataclass(frozen=True)
+class Committed:
+    """What waves committed besides their outputs: the metrics table's new rows (as it got them: see
+    write.metrics_rows) and the number of error rows."""
+
+    records: tuple[dict, ...] = ()
+    error_rows: int = 0
+
+    def __add__(self, other: "Committed") -> "Committed":
+        return Committed(self.records + other.records, self.error_rows + other.error_rows)
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """What a run's inference did: its partition plan (batch.json's ``partition_plan``) and what it committed."""
+
+    plan: dict
+    committed: Committed = Committed()
+
+
+@dataclass(frozen=True)
 class Numbering:
     """Waves and partitions the run numbered before this model's (a batch of several models numbers them across
     all its models, so that the metrics table and the journals tell every partition of a run apart)."""
@@ -203,15 +223,16 @@ class Numbering:
 
 
 def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None,
-                 local: Optional[LocalRows] = None) -> dict:
+                 local: Optional[LocalRows] = None) -> Inferred:
     """Infer every valid request model by model (all partitions of one model, then the next: each engine slot
-    loads each model once) and return the partition plan (with one plan per model under ``models`` when the batch
-    has several). ``local``: the plan columns of ``valid``'s rows, when this process holds them (planned here)."""
+    loads each model once); the plan has one plan per model under ``models`` when the batch has several.
+    ``local``: the plan columns of ``valid``'s rows, when this process holds them (planned here)."""
     if len(run.models) == 1:
         return infer_in_waves(run, valid, warmup, planned_here=local.valid() if local is not None else None)
     counts = local.valid_per_model() if local is not None else {
         r["model"]: int(r["count"]) for r in valid.groupBy("model").count().collect()}  # a row per model
     plans: dict[str, dict] = {}
+    committed = Committed()
     numbering = Numbering()
     for cfg in run.models:
         name = cfg.served_model_name or ""
@@ -220,12 +241,13 @@ def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmu
         if warmup is not None and cfg is not run.models[0]:
             warmup.close()  # it loads the main model, which has nothing to do
         log.info("batch %s: model %s: %d requests", run.batch_id, name, counts[name])
-        plan = infer_in_waves(run.for_model(cfg), valid.where(F.col("model") == name),
-                              warmup if cfg is run.models[0] else None, numbering,
-                              local.valid(name) if local is not None else None)
-        plans[name] = plan
+        inferred = infer_in_waves(run.for_model(cfg), valid.where(F.col("model") == name),
+                                  warmup if cfg is run.models[0] else None, numbering,
+                                  local.valid(name) if local is not None else None)
+        plan = plans[name] = inferred.plan
+        committed += inferred.committed
         numbering = Numbering(numbering.waves + plan["waves"], numbering.partitions + plan["num_partitions"])
-    return merged_plan(plans)
+    return Inferred(merged_plan(plans), committed)
 
 
 def merged_plan(plans: dict[str, dict]) -> dict:
@@ -243,9 +265,9 @@ def merged_plan(plans: dict[str, dict]) -> dict:
 
 
 def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None,
-                   numbering: Numbering = Numbering(), planned_here: Any = None) -> dict:
-    """Infer every valid request (rows with ``est_tokens``) of one model (``run.cfg``) and commit the results;
-    returns the partition plan. ``valid`` is read by the planning and by every wave: a filter of a persisted frame.
+                   numbering: Numbering = Numbering(), planned_here: Any = None) -> Inferred:
+    """Infer every valid request (rows with ``est_tokens``) of one model (``run.cfg``) and commit the results.
+    ``valid`` is read by the planning and by every wave: a filter of a persisted frame.
     ``planned_here``: the plan columns of ``valid``'s rows (:class:`~spark_llm.prepare.LocalRows`), when this
     process holds them: planned here, without Spark jobs.
 
@@ -263,20 +285,24 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * layout.tasks, numbering.waves)
     current = {"wave": f"{numbering.waves}/{waves[-1].of}"}
     total = sum(plan.requests_per_partition)
-    committed: list[dict] = []  # partition records of the committed waves
+    committed = Committed()  # by the waves committed so far
     # live from the tasks where the session has accumulators, else as the waves commit (Spark Connect)
     model = run.cfg.served_model_name
     label = run.batch_id if len(run.models) < 2 else f"{run.batch_id} ({model})"  # several models: one line each
-    records = lambda: [r for r in (run.metrics.value if run.metrics is not None else committed)  # noqa: E731
+    records = lambda: [r for r in (run.metrics.value if run.metrics is not None else committed.records)  # noqa: E731
                        if r.get("model", model) == model]
     line = lambda: progress_line(label, records(), total, run.started, current["wave"])  # noqa: E731
     in_flight: deque[_WaveJob] = deque()
     commits: deque[_CommitJob] = deque()
 
+    def committed_by(job: _CommitJob) -> None:
+        nonlocal committed
+        committed += job.result()
+
     def commit(job: _WaveJob) -> None:  # in the background, after the one before; a bounded number at a time
         commits.append(_CommitJob(run, plan, job, commits[-1] if commits else None))
         while len(commits) > COMMITS_IN_FLIGHT or (commits and not commits[0].thread.is_alive()):
-            committed.extend(commits.popleft().result())
+            committed_by(commits.popleft())
 
     try:
         with ProgressReporter(line, run.cfg.progress_interval_seconds):
@@ -292,14 +318,14 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
             while in_flight:
                 commit(in_flight.popleft())
             while commits:
-                committed.extend(commits.popleft().result())
+                committed_by(commits.popleft())
         storage.delete(run.spark, run.paths.staging)
     except BaseException:
         run.cancel_jobs()  # the waves still inferring
         for job in [*in_flight, *commits]:
             job.thread.join()
         raise
-    return {**plan.as_dict(), "waves": len(waves)}
+    return Inferred({**plan.as_dict(), "waves": len(waves)}, committed)
 
 
 class _WaveJob(_EngineJob):
@@ -329,25 +355,25 @@ class _CommitJob(SparkJobInBackground):
                          lambda: self._run_after(run, plan, job, after))
 
     @staticmethod
-    def _run_after(run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]) -> list[dict]:
+    def _run_after(run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]) -> Committed:
         if after is not None:
             after.wait()
         return _commit(run, plan, job)
 
-    def result(self) -> list[dict]:
-        """Wait for the commit; its partitions' records."""
+    def result(self) -> Committed:
+        """Wait for the commit; what it committed."""
         return self.wait()
 
 
-def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[dict]:
+def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> Committed:
     """Wait for a wave's inference, check that every planned request has one result, commit them to both tables
-    and the partitions' records to the metrics table; returns the records."""
+    and the partitions' records to the metrics table."""
     job.wait()
     with scheduler_pool(run.spark, FIRST_POOL):  # the next free task slot, not the last
         return _commit_staged(run, plan, job)
 
 
-def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[dict]:
+def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> Committed:
     wave = job.wave
     run.describe(f"commit wave {wave.label}")
     staged = run.spark.read.parquet(job.staging)
@@ -356,10 +382,10 @@ def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> list[
     if got.rows != planned:  # the conservation check: one result per planned request
         raise RuntimeError(f"wave {wave.label}: {got.rows} results for {planned} planned requests; nothing of this "
                            f"wave was committed, rerun with --resume")
-    write.commit_wave(run, staged, got.ok, got.errors, records, plan)
+    rows = write.commit_wave(run, staged, got.ok, got.errors, records, plan)
     log.info("batch %s: wave %s committed (%d partitions)", run.batch_id, wave.label, wave.count)
     faults.maybe_exit_after_wave(wave.number)
-    return records
+    return Committed(tuple(rows), got.errors)
 
 
 def _staged_outcomes(staged: DataFrame) -> tuple[Outcomes, list[dict]]:

@@ -142,11 +142,12 @@ def insert_errors_meanwhile(run: RunContext, rows: DataFrame) -> RunContext:
 
 
 def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int, records: list[dict],
-                plan: PartitionPlan) -> None:
+                plan: PartitionPlan) -> list[dict]:
     """One wave's inference results (``responses`` + ``errors`` rows) into their tables and its partitions' records
     into the metrics table: one write per table (none for a table that gets no rows), all at once, since writes
-    of different tables do not conflict."""
+    of different tables do not conflict. Returns the metrics table's new rows (:func:`metrics_rows`)."""
     wait_for_writes(run)
+    rows = metrics_rows(run, records, plan)
     writes: list[Callable[[], None]] = []
     if responses:
         writes.append(lambda: storage.append_rows(output_rows(results, run), run.paths.outputs_table,
@@ -156,8 +157,8 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
                                                       EMBEDDINGS_COLUMNS))
     if errors:
         writes.append(lambda: insert_errors(run, error_rows(results, run)))
-    if records:
-        writes.append(lambda: commit_metrics(run, records, plan))
+    if rows:
+        writes.append(lambda: storage.append_records(run.spark, rows, run.paths.metrics_table, METRICS_COLUMNS))
     others = [SparkJobInBackground(run.spark, f"spark_llm-commit-{n}", w) for n, w in enumerate(writes[1:])]
     try:
         if writes:
@@ -165,14 +166,16 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
     finally:
         for other in others:
             other.wait()
+    return rows
 
 
-def commit_metrics(run: RunContext, records: list[dict], plan: PartitionPlan) -> None:
-    """A committed wave's partition records (one small row each) into the metrics table, so that the table, the
-    report and batch.json describe every run of the batch, including one that crashed after this wave."""
+def metrics_rows(run: RunContext, records: list[dict], plan: PartitionPlan) -> list[dict]:
+    """A wave's partition records (one small row each) as the metrics table gets them, with the run's layout, so
+    that the table, the report and batch.json describe every run of the batch, including one that crashed after
+    this wave: the table's columns, times in epoch seconds (the table holds them as timestamps)."""
     layout = {"batch_id": run.batch_id, "run_id": run.run_id, "task_slots": plan.task_slots,
               "engines": plan.engines or plan.task_slots}
-    storage.append_records(run.spark, [{**r, **layout} for r in records], run.paths.metrics_table, METRICS_COLUMNS)
+    return [{name: {**r, **layout}.get(name) for name in METRICS_COLUMNS} for r in records]
 
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------
