@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     print(f"{'spark_llm job (' + str(args.slots) + ' engine(s), all I/O)':<34}{job_s:>9.1f}"
           f"{pairs[-1]['job']['tokens']:>10}{pairs[-1]['job']['tokens'] / job_s:>10.0f}")
     print(f"completed={pairs[-1]['job']['completed']} failed={pairs[-1]['job']['failed']}")
-    print(f"busy_fraction={statistics.median(r['job']['busy_fraction'] or 0 for r in pairs)}")
+    print(f"busy_fraction={statistics.median(r['job']['busy_fraction'] or 0 for r in pairs):.4f}")
     print(f"overhead_ratio={statistics.median(r['job']['seconds'] / r['raw']['seconds'] for r in pairs):.3f}")
     return 0
 
