@@ -175,7 +175,8 @@ def metrics_rows(run: RunContext, records: list[dict], plan: PartitionPlan) -> l
     this wave: the table's columns, times in epoch seconds (the table holds them as timestamps)."""
     layout = {"batch_id": run.batch_id, "run_id": run.run_id, "task_slots": plan.task_slots,
               "engines": plan.engines or plan.task_slots}
-    return [{name: {**r, **layout}.get(name) for name in METRICS_COLUMNS} for r in records]
+    rows = [{**r, **layout} for r in records]
+    return [{name: row.get(name) for name in METRICS_COLUMNS} for row in rows]
 
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------
