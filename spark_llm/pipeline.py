@@ -80,7 +80,7 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
             log.info("batch %s: resuming, %d requests already answered", run.batch_id, counts.rows - todo.rows)
         if todo.errors:  # committed while the requests infer
             run = write.insert_errors_meanwhile(run, write.error_rows(pending, run))
-        inferred = Inferred(plan={})
+        inferred = Inferred()
         if todo.ok:
             inferred = infer_models(run, pending.where(F.col("error_code").isNull()), warmup,
                                     None if run.cfg.resume else ready.local)  # resumed: fewer rows pending than held
@@ -91,5 +91,5 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
         if pending is not requests:
             pending.unpersist()
         requests.unpersist()
-    return Outcome(plan=inferred.plan or None, skipped=counts.rows - todo.rows, in_progress_at=in_progress_at,
+    return Outcome(plan=inferred.plan, skipped=counts.rows - todo.rows, in_progress_at=in_progress_at,
                    records=inferred.committed.records, error_rows=todo.errors + inferred.committed.error_rows)

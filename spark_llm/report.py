@@ -41,13 +41,17 @@ class Tables:
         table costs the driver a snapshot and a file listing, which overlap); that thread then calls ``then`` with
         the number of error rows (the report writes errors.jsonl there, knowing whether the table has any).
         ``errors`` None: the batch has no error rows (known without a query)."""
-        errs = SparkJobInBackground(outputs.sparkSession, "spark_llm-error-tally",
-                                    lambda: _error_tally(errors, then) if errors is not None else _no_errors(then))
+        errs = None if errors is None else SparkJobInBackground(errors.sparkSession, "spark_llm-error-tally",
+                                                                lambda: _error_tally(errors, then))
         o = outputs.agg(F.count(F.lit(1)).alias("n"), F.sum("prompt_tokens").alias("pt"),
                         F.sum("completion_tokens").alias("ct"), F.max("prompt_tokens").alias("top"),
                         F.slice(F.array_sort(F.collect_set("endpoint")), 1, 8).alias("endpoints")).first()
         histogram = prompt_histogram(outputs, int(o["top"] or 0), buckets)
-        by_code, unattributed = errs.wait()
+        if errs is None:
+            then(0)
+            by_code, unattributed = {}, BatchErrors()
+        else:
+            by_code, unattributed = errs.wait()
         tally = Tally(completed=int(o["n"]), failed=sum(by_code.values()), input_tokens=int(o["pt"] or 0),
                       output_tokens=int(o["ct"] or 0))
         return cls(tally=tally, endpoint=",".join(o["endpoints"] or []), errors_by_code=by_code,
@@ -62,11 +66,6 @@ def _error_tally(errors: DataFrame, then: Callable[[int], None]) -> tuple[dict[s
              unattributed_errors(errors, sum(int(r["unattributed"]) for r in by_code)))
     then(sum(tally[0].values()))
     return tally
-
-
-def _no_errors(then: Callable[[int], None]) -> tuple[dict[str, int], BatchErrors]:
-    then(0)
-    return {}, BatchErrors()
 
 
 def prompt_histogram(outputs: DataFrame, top: int, buckets: int = 30) -> list[tuple[int, int]]:

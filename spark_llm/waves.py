@@ -207,9 +207,10 @@ class Committed:
 
 @dataclass(frozen=True)
 class Inferred:
-    """What a run's inference did: its partition plan (batch.json's ``partition_plan``) and what it committed."""
+    """What a run's inference did: its partition plan (batch.json's ``partition_plan``; None when nothing reached
+    inference) and what it committed."""
 
-    plan: dict
+    plan: Optional[dict] = None
     committed: Committed = Committed()
 
 
