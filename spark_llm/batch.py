@@ -9,13 +9,31 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from .config import ConfigError
-from .errors import EngineStartError, describe_exception
+from .errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
 
 if TYPE_CHECKING:
     from .context import RunContext, RunPaths
 
 #: errors.data codes of a batch that stopped (row-level problems never stop a batch).
 BATCH_FAILURE_CODES = {EngineStartError: "engine_start_failed", ConfigError: "invalid_config"}
+
+
+#: finish_unanswered (the code its unanswered requests get) -> the status of the batch it ends.
+ENDED_AS = {ErrorCode.BATCH_CANCELLED.value: "cancelled", ErrorCode.BATCH_EXPIRED.value: "expired"}
+
+
+def _ended_at(status: str, now: int) -> dict[str, int]:
+    """The timestamps a batch ending with ``status`` gets (a cancel also sets when it began cancelling)."""
+    return {"completed": {"completed_at": now}, "failed": {"failed_at": now}, "expired": {"expired_at": now},
+            "cancelled": {"cancelling_at": now, "cancelled_at": now}}[status]
+
+
+def stopped_status(exc: BaseException) -> Optional[str]:
+    """The status of a batch whose run ``exc`` stopped on purpose: ``cancelled`` (Ctrl-C, SIGTERM, a cancel) or
+    ``expired``; None for a failure."""
+    if isinstance(exc, BatchStopped):
+        return exc.status
+    return "cancelled" if isinstance(exc, KeyboardInterrupt) else None
 
 
 @dataclass(frozen=True)
@@ -71,7 +89,7 @@ class BatchObject(BaseModel):
     errors: BatchErrors
     input_file_id: str
     completion_window: str = "24h"
-    status: Literal["completed", "failed"]
+    status: Literal["completed", "failed", "cancelled", "expired"]
     output_file_id: str
     error_file_id: str
     created_at: int
@@ -102,9 +120,12 @@ class BatchObject(BaseModel):
     @classmethod
     def completed(cls, run: "RunContext", tally: Tally, errors: BatchErrors, endpoint: str,
                   plan: Optional[dict], in_progress_at: int) -> "BatchObject":
+        """Every request has its row: ``completed``, or ``cancelled`` / ``expired`` when the run ended the batch
+        early (``finish_unanswered``)."""
         now = int(time.time())
-        return cls(**cls._common(run), status="completed", endpoint=endpoint, errors=errors,
-                   in_progress_at=in_progress_at, finalizing_at=now, completed_at=now,
+        status = ENDED_AS.get(run.cfg.finish_unanswered or "", "completed")
+        return cls(**cls._common(run), status=status, endpoint=endpoint, errors=errors,
+                   in_progress_at=in_progress_at, finalizing_at=now, **_ended_at(status, now),
                    request_counts=RequestCounts(total=tally.completed + tally.failed, completed=tally.completed,
                                                 failed=tally.failed),
                    usage=Usage(input_tokens=tally.input_tokens, output_tokens=tally.output_tokens,
@@ -113,12 +134,18 @@ class BatchObject(BaseModel):
 
     @classmethod
     def failed(cls, run: "RunContext", exc: BaseException) -> "BatchObject":
-        """A batch that stopped: the reason in ``errors.data`` (rerun with --resume to continue)."""
-        code = next((c for t, c in BATCH_FAILURE_CODES.items() if isinstance(exc, t)), "batch_failed")
-        reason = BatchError(code=code, message=describe_exception(exc))
-        return cls(**cls._common(run), status="failed", endpoint="", failed_at=int(time.time()),
-                   errors=BatchErrors(data=[reason], total=1), request_counts=RequestCounts(total=0, completed=0,
-                                                                                            failed=0),
+        """A batch that stopped (rerun with --resume to continue): ``failed`` with the reason in ``errors.data``,
+        or ``cancelled`` / ``expired`` when it was stopped on purpose (Ctrl-C, SIGTERM, :class:`BatchStopped`)."""
+        now = int(time.time())
+        status = stopped_status(exc)
+        if status is None:
+            code = next((c for t, c in BATCH_FAILURE_CODES.items() if isinstance(exc, t)), "batch_failed")
+            status, errors = "failed", BatchErrors(data=[BatchError(code=code, message=describe_exception(exc))],
+                                                   total=1)
+        else:
+            errors = BatchErrors()
+        return cls(**cls._common(run), status=status, endpoint="", **_ended_at(status, now), errors=errors,
+                   request_counts=RequestCounts(total=0, completed=0, failed=0),
                    usage=Usage(input_tokens=0, output_tokens=0, total_tokens=0))
 
     def to_json(self) -> str:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import types
 from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin
 
-from .config import GROUPS, BatchConfig, ConfigError, spark_conf_from_yaml
+from .config import GROUPS, BatchConfig, ConfigError, new_batch_id, spark_conf_from_yaml
 
 #: Flags besides the generated ones, for the design's names: flag -> config field.
 ALIASES = {"--batch-size": "max_num_seqs"}
@@ -90,14 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
                                       "tokens, partitions and waves, and an engine-time estimate. Loads no engine and "
                                       "writes nothing. Takes the same settings as run.")
     add_run_arguments(plan)
+    from .service.server import add_serve_arguments
+
+    serve = sub.add_parser("serve", help="serve OpenAI's Files and Batches API: batches uploaded with the OpenAI SDK "
+                           "run as spark-llm run runs them",
+                           description="The batch service: OpenAI's Files and Batches API (point the OpenAI SDK's "
+                                       "base_url at it). Every batch runs on this server's Spark session and engines "
+                                       "with the model, engine and Spark settings given here.")
+    add_serve_arguments(serve)
     plan.add_argument("--tokens-per-second", type=float, default=None,
                       help="prompt + generated tokens per second of one engine, for the time estimate (default: "
                            "measured by earlier runs in the output's metrics table, if any)")
     return parser
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per BatchConfig field (its description is the help), in the config's groups."""
+def add_run_arguments(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:
+    """One flag per BatchConfig field (its description is the help), in the config's groups; none for the
+    fields in ``exclude``."""
     parser.add_argument("--config", help="YAML file with settings (see conf/); flags override it")
     parser.add_argument("--master", default=None,
                         help="Spark master when spark-llm starts its own session (default local[2]); ignored "
@@ -109,6 +120,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     aliases = {field: [a for a, f in ALIASES.items() if f == field] for field in BatchConfig.model_fields}
     for field, info in BatchConfig.model_fields.items():
+        if field in exclude:
+            continue
         groups[BatchConfig.group_of(field)].add_argument(
             flag(field), *aliases[field], dest=field, default=None, help=info.description,
             **_argument_kwargs(info.annotation))
@@ -142,6 +155,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"spark-llm: error: {exc}", file=sys.stderr)
             return 2
         return 0
+    if not planning and not config.batch_id:  # named now, so that an interrupted run can say what to resume
+        config.batch_id = new_batch_id()
     if not planning and not args.remote and "PYSPARK_GATEWAY_PORT" not in os.environ:
         from .prepare import preload_tokenizers
         from .waves import prestart_before_session
@@ -164,6 +179,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     except EngineStartError as exc:
         print(f"spark-llm: the inference engine could not start: {exc}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see main): batch.json says cancelled
+        _quiet_cancel(spark)
+        print(f"spark-llm: batch {config.batch_id} cancelled; what it answered so far is committed. Finish it with "
+              f"--resume --batch-id {config.batch_id}, or close it with --finish-unanswered batch_cancelled as well",
+              file=sys.stderr)
+        return 130
     except Exception as exc:  # Spark gave up on a job (or its JVM died): batch.json says failed; resume continues
         from .errors import describe_exception
 
@@ -172,6 +193,18 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 3
     print(result.summary())
     return 0
+
+
+def _quiet_cancel(spark: Any) -> None:
+    """Stop the interrupted run's Spark jobs without the JVM's warnings about every task it kills (the process
+    ends next; the session is this command's own)."""
+    from .session import is_connect
+
+    if is_connect(spark):
+        return
+    with contextlib.suppress(Exception):
+        spark.sparkContext.setLogLevel("OFF")
+        spark.sparkContext.cancelAllJobs()
 
 
 def _plans_locally(args: argparse.Namespace, config: BatchConfig) -> bool:
@@ -188,8 +221,18 @@ def _plans_locally(args: argparse.Namespace, config: BatchConfig) -> bool:
     return size is not None and size <= LOCAL_PLAN_BYTES
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_from_args(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from .service.server import serve_from_args
+
+        return serve_from_args(args)
+    signal.signal(signal.SIGTERM, _interrupt)  # a batch stopped by its scheduler ends as cancelled, as on Ctrl-C
+    return run_from_args(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

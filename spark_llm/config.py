@@ -101,6 +101,11 @@ class BatchConfig(BaseModel):
         False, description="Replace the contents of a non-empty output_dir. Off by default so that finished "
         "results are never destroyed by a mistyped path.",
         json_schema_extra=group("output"))
+    tables_dir: Optional[str] = Field(
+        None, description="Directory of the Delta tables (outputs, errors, metrics, embeddings), partitioned by "
+        "batch_id so that many batches can share them; default <output_dir>/delta. outputs_table_path and "
+        "errors_table_path win over it.",
+        json_schema_extra=group("output"))
     outputs_table_path: Optional[str] = Field(
         None, description="Delta path of the outputs table; default <output_dir>/delta/outputs.",
         json_schema_extra=group("output"))
@@ -115,6 +120,11 @@ class BatchConfig(BaseModel):
     resume: bool = Field(
         False, description="Continue batch_id where an earlier run stopped: requests already in the outputs or "
         "errors table are skipped, nothing is written twice. Needs batch_id.",
+        json_schema_extra=group("output"))
+    finish_unanswered: Optional[Literal["batch_cancelled", "batch_expired"]] = Field(
+        None, description="With resume: end the batch without running what is left. Every request not answered yet "
+        "becomes an error row with this code and the batch is cancelled (or expired), as OpenAI lists the requests "
+        "of a batch it ended early; a later --resume without it runs them after all.",
         json_schema_extra=group("output"))
     retry_errors: bool = Field(
         False, description="With resume: run again the requests whose earlier error was transient (engine_error).",
@@ -343,6 +353,8 @@ class BatchConfig(BaseModel):
             raise ValueError("resume needs the batch_id of the run to continue (--batch-id)")
         if self.retry_errors and not self.resume:
             raise ValueError("retry_errors only applies with resume")
+        if self.finish_unanswered and not self.resume:
+            raise ValueError("finish_unanswered ends a batch an earlier run started: it needs resume (--resume)")
         if self.prompt_column and self.messages_column:
             raise ValueError("give prompt_column or messages_column, not both")
         self._check_models()
@@ -393,7 +405,7 @@ class BatchConfig(BaseModel):
         context length and runner (when auto), the tokenizer (default: the model directory), and local relative
         model, tokenizer and adapter paths made absolute (executors run in other directories). See engine.resolve."""
         model, tokenizer = _absolute(self.model), _absolute(self.tokenizer or self.model)
-        return self.model_copy(update={"batch_id": self.batch_id or "batch_" + uuid.uuid4().hex,
+        return self.model_copy(update={"batch_id": self.batch_id or new_batch_id(),
                                        "max_model_len": self.max_model_len or max_model_len,
                                        "runner": runner if self.runner == "auto" else self.runner,
                                        "model": model, "tokenizer": tokenizer,
@@ -447,6 +459,11 @@ class BatchConfig(BaseModel):
             return cls(**data)
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
+
+
+def new_batch_id() -> str:
+    """A batch id for a batch that was given none (``batch_<32 hex digits>``)."""
+    return "batch_" + uuid.uuid4().hex
 
 
 def _absolute(path: Optional[str]) -> Optional[str]:

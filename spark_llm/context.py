@@ -44,13 +44,30 @@ class RunPaths:
             tables = {name: f"{cfg.output_table_prefix}{name}"
                       for name in ("outputs", "errors", "metrics", "embeddings")}
         else:
-            tables = {"outputs": cfg.outputs_table_path or f"{out}/delta/outputs",
-                      "errors": cfg.errors_table_path or f"{out}/delta/errors", "metrics": f"{out}/delta/metrics",
-                      "embeddings": f"{out}/delta/embeddings"}
+            tables_dir = (cfg.tables_dir or f"{out}/delta").rstrip("/")
+            tables = {name: f"{tables_dir}/{name}" for name in ("outputs", "errors", "metrics", "embeddings")}
+            tables.update({k: v for k, v in (("outputs", cfg.outputs_table_path),
+                                              ("errors", cfg.errors_table_path)) if v})
         return cls(output_dir=out, output_file=f"{out}/output.jsonl", error_file=f"{out}/errors.jsonl",
                    batch_file=f"{out}/batch.json", report_file=f"{out}/report.html", staging=f"{out}/_staging",
                    outputs_table=tables["outputs"], errors_table=tables["errors"], metrics_table=tables["metrics"],
                    embeddings_table=tables["embeddings"])
+
+
+class RunListener:
+    """What a run tells whoever started it, as it happens (the batch service moves the batch's status and counts
+    with it). Any call may raise :class:`~spark_llm.errors.BatchStopped` to end the run there; Spark jobs already
+    running are the caller's to cancel (the run's job group is its batch id). This one hears nothing."""
+
+    def validated(self, total: int, invalid: int, answered: int) -> None:
+        """The batch is read and validated: ``total`` non-blank lines, ``invalid`` of them error rows this run
+        writes now, ``answered`` already answered by an earlier run (resume); inference starts next."""
+
+    def committed(self, responses: int, errors: int) -> None:
+        """A wave's rows are committed: ``responses`` more outputs and ``errors`` more error rows."""
+
+    def finalizing(self) -> None:
+        """Every row is committed; the OpenAI files, batch.json and the report are written next."""
 
 
 @dataclass(frozen=True)
@@ -69,15 +86,18 @@ class RunContext:
     #: writes of the result tables under way in the background (their creation, then the validation errors: see
     #: write.prepare_destination); every later read or write of the tables waits for them. None: nothing under way
     table_writes: Any = None
+    listener: RunListener = RunListener()
 
     @classmethod
-    def start(cls, spark: SparkSession, config: BatchConfig) -> "RunContext":
+    def start(cls, spark: SparkSession, config: BatchConfig,
+              listener: Optional[RunListener] = None) -> "RunContext":
         cfg = resolve(config)
         paths = RunPaths.from_config(cfg)
         created_at = (_previous_created_at(spark, paths.batch_file) if cfg.resume else None) or int(time.time())
         metrics = None if is_connect(spark) else spark.sparkContext.accumulator([], ListParam())
         return cls(spark=spark, cfg=cfg, paths=paths, created_at=created_at, started=time.time(),
-                   metrics=metrics, run_id=uuid.uuid4().hex[:12], models=resolve_models(cfg))
+                   metrics=metrics, run_id=uuid.uuid4().hex[:12], models=resolve_models(cfg),
+                   listener=listener or RunListener())
 
     @property
     def has_embeddings(self) -> bool:
@@ -105,8 +125,8 @@ class RunContext:
 
     @property
     def tag(self) -> str:
-        """The Spark Connect job tag of the run's jobs."""
-        return f"spark_llm-{self.batch_id}"
+        """The Spark Connect job tag of the run's jobs (see :func:`cancel_batch_jobs`)."""
+        return batch_tag(self.batch_id)
 
     def describe(self, stage: str) -> None:
         """Name the Spark jobs that follow (shown in the Spark UI; a Connect session's jobs carry the run's tag)."""
@@ -134,10 +154,21 @@ class RunContext:
 
     def cancel_jobs(self) -> None:
         """Cancel the run's running Spark jobs."""
-        if is_connect(self.spark):
-            self.spark.interruptTag(self.tag)
-        else:
-            self.spark.sparkContext.cancelJobGroup(self.batch_id)
+        cancel_batch_jobs(self.spark, self.batch_id)
+
+
+def batch_tag(batch_id: str) -> str:
+    """The Spark Connect job tag of a batch's runs."""
+    return f"spark_llm-{batch_id}"
+
+
+def cancel_batch_jobs(spark: SparkSession, batch_id: str) -> None:
+    """Cancel the running Spark jobs of a batch's run (its job group, or its tag over Spark Connect: see
+    :meth:`RunContext.job_group`), from any thread."""
+    if is_connect(spark):
+        spark.interruptTag(batch_tag(batch_id))
+    else:
+        spark.sparkContext.cancelJobGroup(batch_id)
 
 
 def _previous_created_at(spark: SparkSession, batch_file: str) -> Optional[int]:

@@ -21,12 +21,21 @@ class ErrorCode(str, Enum):
     MODEL_NOT_FOUND = "model_not_found"            # body.model is not the served model name
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over max_model_len
     ENGINE_ERROR = "engine_error"                  # the engine failed on this one request
+    BATCH_CANCELLED = "batch_cancelled"            # the batch was cancelled before the request ran
+    BATCH_EXPIRED = "batch_expired"                # the batch's completion window ran out before it ran
 
 
 #: Codes found before a line's custom_id could be read: such a row's custom_id, when it shows one, was recovered from
 #: the raw line for attribution only; it does not claim the id (no duplicate check, ids by file and line).
 LINE_LEVEL_CODES = (ErrorCode.INVALID_ENCODING.value, ErrorCode.LINE_TOO_LARGE.value, ErrorCode.INVALID_JSON.value,
                     ErrorCode.INVALID_CUSTOM_ID.value)
+
+
+#: Codes of requests that never ran because their batch was ended early (OpenAI lists them in a cancelled or expired
+#: batch's error file); a later ``--resume`` of the batch runs them after all.
+UNANSWERED_CODES = {ErrorCode.BATCH_CANCELLED.value: "The batch was cancelled before this request ran.",
+                    ErrorCode.BATCH_EXPIRED.value: "This request could not be executed before the batch's "
+                                                   "completion window expired."}
 
 
 class RequestError(Exception):
@@ -40,6 +49,15 @@ class RequestError(Exception):
 
 class EngineStartError(RuntimeError):
     """The engine could not be built on an executor; the job stops with this message."""
+
+
+class BatchStopped(Exception):
+    """Raised into a run to end it early (a cancel, an expired completion window): ``status`` is the batch status it
+    ends with, ``cancelled`` or ``expired``. What was committed stays; the rest runs on ``--resume``."""
+
+    def __init__(self, status: str = "cancelled"):
+        super().__init__(f"the batch was {status}")
+        self.status = status
 
 
 def truncate(text: str | None, limit: int) -> str | None:

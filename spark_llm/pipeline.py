@@ -3,6 +3,7 @@
     check settings -> context -> [the engines start loading, in the background] -> destination
     -> prepare (read, validate, dedupe, count tokens, ids) -> validation errors
     -> infer model by model, in waves (plan; infer and commit, two waves in flight)
+       (or, ending a batch early with finish_unanswered: every unanswered request an error row)
     -> report (files, batch.json, report.html)
 
 Each stage lives in its own module and takes the run's :class:`~spark_llm.context.RunContext`.
@@ -22,9 +23,9 @@ from pyspark.sql import functions as F
 from . import write
 from .batch import BatchResult
 from .config import BatchConfig
-from .context import RunContext
+from .context import RunContext, RunListener
 from .engine import check_adapters, check_gpu_settings
-from .prepare import check_size, count_outcomes, prepared
+from .prepare import Outcomes, check_size, count_outcomes, prepared
 from .quarantine import retry_budget_warning
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta, spark_conf
@@ -33,12 +34,13 @@ from .waves import EngineWarmup, Inferred, infer_models
 log = logging.getLogger(__name__)
 
 
-def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
+def run_batch(spark: SparkSession, config: BatchConfig, listener: Optional[RunListener] = None) -> BatchResult:
     """Run one batch end to end and return its :class:`~spark_llm.batch.BatchResult`.
 
     Raises :class:`~spark_llm.config.ConfigError` for bad settings and
     :class:`~spark_llm.errors.EngineStartError` when no engine can start; every problem with a single request
     becomes an error row instead. With ``resume`` the run continues ``batch_id`` and writes only what is missing.
+    ``listener`` hears the run's progress and may stop it (see :class:`~spark_llm.context.RunListener`).
     """
     if not isinstance(config, BatchConfig):
         raise TypeError(f"config must be a spark_llm.BatchConfig, got {type(config).__name__}")
@@ -48,7 +50,7 @@ def run_batch(spark: SparkSession, config: BatchConfig) -> BatchResult:
     check_gpu_settings(conf, config.tensor_parallel_size)
     if (warning := retry_budget_warning(conf)) is not None:
         log.warning("%s", warning)
-    run = RunContext.start(spark, config)
+    run = RunContext.start(spark, config, listener)
     with run.job_group(), EngineWarmup.started(run) as warmup:  # engines load while the batch is prepared
         run = write.prepare_destination(run)
         log.info("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))
@@ -78,8 +80,13 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
             pending = write.pending(run, requests).persist(StorageLevel.MEMORY_AND_DISK)
             todo = count_outcomes(pending)
             log.info("batch %s: resuming, %d requests already answered", run.batch_id, counts.rows - todo.rows)
+        run.listener.validated(counts.rows, todo.errors, counts.rows - todo.rows)
+        failing = pending
+        if run.cfg.finish_unanswered:  # the batch ends here: what is left becomes error rows
+            failing = write.unanswered_rows(pending, run.cfg.finish_unanswered)
+            todo = Outcomes(rows=todo.rows, errors=todo.rows)
         if todo.errors:  # committed while the requests infer
-            run = write.insert_errors_meanwhile(run, write.error_rows(pending, run))
+            run = write.insert_errors_meanwhile(run, write.error_rows(failing, run))
         inferred = Inferred()
         if todo.ok:
             inferred = infer_models(run, pending.where(F.col("error_code").isNull()), warmup,

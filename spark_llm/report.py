@@ -110,6 +110,7 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
     write.prepare_destination): its partition records are the ones it committed, and a run that wrote no error
     row has none to tally, so neither table is read again for them (each read of a Delta table that a run just
     wrote costs its new snapshot: about a second of a short run, on the cores the files are written with)."""
+    run.listener.finalizing()
     run.describe("write OpenAI files, batch.json and the report")
     whole = not run.cfg.resume
     files = SparkJobInBackground(run.spark, "spark_llm-files", lambda: write.write_output_file(run))
@@ -152,8 +153,8 @@ def sorted_records(records: Sequence[dict]) -> list[dict]:
 
 
 def write_failed_batch(run: RunContext, exc: BaseException) -> None:
-    """Best effort: leave a batch.json with status "failed" and the reason, so a reader sees the run stopped and
-    why."""
+    """Best effort: leave a batch.json with status "failed" and the reason (or "cancelled": see
+    BatchObject.failed), so a reader sees the run stopped and why."""
     try:
         storage.write_text_atomic(run.spark, run.paths.batch_file, BatchObject.failed(run, exc).to_json())
     except Exception:  # never hide the original error

@@ -418,8 +418,11 @@ def append_records(spark: SparkSession, records: list[dict], table: str, columns
     _save(df.write.format("delta").mode("append").option("mergeSchema", "true").partitionBy("batch_id"), table)
 
 
-def delete_rows(spark: SparkSession, table: str, batch_id: str, code: Optional[str] = None) -> None:
-    """Delete a batch's rows (those with error ``code`` only, when given)."""
+def delete_rows(spark: SparkSession, table: str, batch_id: str, codes: Sequence[str] = ()) -> None:
+    """Delete a batch's rows (those with one of the error ``codes`` only, when given). A delete that matches no row
+    commits nothing."""
     if table_exists(spark, table):
-        where = f"batch_id = {sql_string(batch_id)}" + (f" AND code = {sql_string(code)}" if code else "")
+        where = f"batch_id = {sql_string(batch_id)}"
+        if codes:
+            where += f" AND code IN ({', '.join(sql_string(c) for c in codes)})"
         spark.sql(f"DELETE FROM {sql_name(table)} WHERE {where}")

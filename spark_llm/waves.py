@@ -105,6 +105,8 @@ class EngineWarmup(_EngineJob):
 
     @classmethod
     def start(cls, run: RunContext) -> Optional["EngineWarmup"]:
+        if run.cfg.finish_unanswered:  # nothing will run
+            return None
         conf = spark_conf(run.spark)
         if has_gpus(conf):
             return cls(run, blocking=True)
@@ -195,14 +197,16 @@ def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
 
 @dataclass(frozen=True)
 class Committed:
-    """What waves committed besides their outputs: the metrics table's new rows (as it got them: see
-    write.metrics_rows) and the number of error rows."""
+    """What waves committed: the metrics table's new rows (as it got them: see write.metrics_rows) and the number
+    of error rows and of outputs."""
 
     records: tuple[dict, ...] = ()
     error_rows: int = 0
+    responses: int = 0
 
     def __add__(self, other: "Committed") -> "Committed":
-        return Committed(self.records + other.records, self.error_rows + other.error_rows)
+        return Committed(self.records + other.records, self.error_rows + other.error_rows,
+                         self.responses + other.responses)
 
 
 @dataclass(frozen=True)
@@ -298,7 +302,9 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
 
     def committed_by(job: _CommitJob) -> None:
         nonlocal committed
-        committed += job.result()
+        wave = job.result()
+        committed += wave
+        run.listener.committed(wave.responses, wave.error_rows)
 
     def commit(job: _WaveJob) -> None:  # in the background, after the one before; a bounded number at a time
         commits.append(_CommitJob(run, plan, job, commits[-1] if commits else None))
@@ -386,7 +392,7 @@ def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> Commi
     rows = write.commit_wave(run, staged, got.ok, got.errors, records, plan)
     log.info("batch %s: wave %s committed (%d partitions)", run.batch_id, wave.label, wave.count)
     faults.maybe_exit_after_wave(wave.number)
-    return Committed(tuple(rows), got.errors)
+    return Committed(tuple(rows), got.errors, got.ok)
 
 
 def _staged_outcomes(staged: DataFrame) -> tuple[Outcomes, list[dict]]:

@@ -23,7 +23,7 @@ from . import storage
 from .background import SparkJobInBackground
 from .config import ConfigError
 from .context import RunContext
-from .errors import ErrorCode
+from .errors import UNANSWERED_CODES, ErrorCode
 from .partition import PartitionPlan
 from .schemas import (EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS, ERRORS_COLUMNS, ERRORS_STATS, METRICS_COLUMNS,
                       OUTPUTS_COLUMNS, OUTPUTS_STATS, json_string)
@@ -86,10 +86,15 @@ def errors(run: RunContext) -> DataFrame:
 
 
 def pending(run: RunContext, requests: DataFrame) -> DataFrame:
-    """With ``resume``, the requests without a row in either table yet (with ``retry_errors``, transient engine
-    errors are first removed, to be rerun)."""
+    """With ``resume``, the requests without a row in either table yet. The rows of requests an earlier run ended
+    without running (:data:`~spark_llm.errors.UNANSWERED_CODES`) are removed first, to be run now, unless this run
+    ends the batch too (``finish_unanswered``: they stay as they are); with ``retry_errors`` transient engine errors
+    are removed as well."""
+    codes = [] if run.cfg.finish_unanswered else list(UNANSWERED_CODES)
     if run.cfg.retry_errors:
-        storage.delete_rows(run.spark, run.paths.errors_table, run.batch_id, code=ErrorCode.ENGINE_ERROR.value)
+        codes.append(ErrorCode.ENGINE_ERROR.value)
+    if codes:
+        storage.delete_rows(run.spark, run.paths.errors_table, run.batch_id, codes)
     # pinned snapshots: the waves about to commit must not change which requests count as pending
     done = [_batch_rows(run, t, storage.current_version(run.spark, t)).select("id")
             for t in (run.paths.outputs_table, run.paths.errors_table)]
@@ -127,6 +132,15 @@ def embedding_rows(results: DataFrame, run: RunContext) -> DataFrame:
     return _table_rows(exploded, EMBEDDINGS_COLUMNS, {
         "batch_id": F.lit(run.batch_id), "dimensions": F.size("embedding"),
         "created_at": F.timestamp_seconds("created")})
+
+
+def unanswered_rows(pending: DataFrame, code: str) -> DataFrame:
+    """The pending rows, each valid request (no ``error_code`` yet) made an error row with ``code`` (one of
+    :data:`~spark_llm.errors.UNANSWERED_CODES`): a batch ended before they ran."""
+    unanswered = F.col("error_code").isNull()
+    return pending.withColumns({
+        "error_code": F.when(unanswered, F.lit(code)).otherwise(F.col("error_code")),
+        "error_message": F.when(unanswered, F.lit(UNANSWERED_CODES[code])).otherwise(F.col("error_message"))})
 
 
 def insert_errors(run: RunContext, rows: DataFrame) -> None:

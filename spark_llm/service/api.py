@@ -1,0 +1,255 @@
+"""The HTTP API: OpenAI's Files and Batches routes over the store and the file storage. Each route is thin: check
+the caller's key, parse with the shapes of :mod:`.protocol`, read or write records, answer OpenAI's shapes; the
+scheduler does everything that touches Spark."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..endpoints import ENDPOINTS
+from .files import FileStorage, check_filename, receive_upload
+from .lifecycle import CANCELLABLE, Status
+from .protocol import APIError, Batch, BatchCreate, ExpiresAfter, FileDeleted, FileObject, Page
+from .scheduler import Scheduler
+from .settings import NO_KEY_OWNER, ServiceSettings
+from .store import BatchRecord, FileRecord, Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Service:
+    """What the routes work with."""
+
+    settings: ServiceSettings
+    store: Store
+    files: FileStorage
+    scheduler: Scheduler
+    keys: dict[str, str]  #: API key -> owner id; empty: no keys, one owner
+
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="spark_llm batch service", summary="OpenAI's Files and Batches API on a Spark cluster")
+    app.state.service = service
+    app.include_router(files_router, prefix="/v1")
+    app.include_router(batches_router, prefix="/v1")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        param = ".".join(where) or None
+        message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}." if param else str(first.get("msg"))
+        return JSONResponse(APIError.invalid(message, param=param).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = "Not found: no such route." if exc.status_code == 404 else str(exc.detail)
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code)
+
+    return app
+
+
+def service_of(request: Request) -> Service:
+    return request.app.state.service
+
+
+def owner(request: Request) -> str:
+    """The caller's owner id, from ``Authorization: Bearer <key>`` (401 without a known key)."""
+    keys = service_of(request).keys
+    if not keys:
+        return NO_KEY_OWNER
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or key.strip() not in keys:
+        raise APIError(401, "Incorrect API key provided. Give one of this server's keys as 'Authorization: "
+                       "Bearer <key>'.", code="invalid_api_key")
+    return keys[key.strip()]
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+# ---- files -----------------------------------------------------------------------------------------------------------
+
+files_router = APIRouter()
+
+
+def file_object(record: FileRecord) -> FileObject:
+    return FileObject(id=record.id, bytes=record.bytes, created_at=record.created_at, filename=record.filename,
+                      purpose=record.purpose, expires_at=record.expires_at)  # type: ignore[arg-type]
+
+
+@files_router.post("/files")
+async def create_file(request: Request, who: str = Depends(owner)) -> FileObject:
+    service = service_of(request)
+    id = new_id("file-")
+    location = service.files.location("files", id)
+    upload = await receive_upload(request.stream(), request.headers.get("content-type", ""), service.files, location,
+                                  service.settings.max_file_bytes)
+    try:
+        purpose = upload.fields.get("purpose")
+        if purpose != "batch":
+            raise APIError.invalid(f"This server takes files with purpose 'batch' (batch input files); got "
+                                   f"{purpose!r}.", param="purpose")
+        filename = check_filename(upload.filename)
+        expires_after = _expires_after(upload.fields)
+    except APIError:
+        service.files.delete(location)
+        raise
+    now = int(time.time())
+    record = FileRecord(id=id, owner=who, filename=filename, purpose="batch", bytes=upload.bytes, created_at=now,
+                        location=location, expires_at=now + expires_after.seconds if expires_after else None)
+    service.store.add_file(record)
+    log.info("file %s: %d bytes uploaded", id, upload.bytes)
+    return file_object(record)
+
+
+def _expires_after(fields: dict[str, str]) -> Optional[ExpiresAfter]:
+    """``expires_after[anchor]`` / ``expires_after[seconds]`` form fields (openai-python's encoding)."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    try:
+        return ExpiresAfter(anchor=anchor, seconds=int(seconds or ""))  # type: ignore[arg-type]
+    except ValueError:
+        raise APIError.invalid("expires_after needs anchor 'created_at' and seconds from 3600 to 2592000.",
+                               param="expires_after") from None
+
+
+@files_router.get("/files")
+def list_files(request: Request, who: str = Depends(owner), purpose: Optional[str] = None,
+               limit: int = Query(10_000, ge=1, le=10_000), after: Optional[str] = None,
+               order: str = Query("desc", pattern="^(asc|desc)$")) -> Page[FileObject]:
+    records, more = service_of(request).store.files(who, purpose, limit, after, newest_first=order == "desc")
+    return Page.of([file_object(r) for r in records], more)
+
+
+def _own_file(request: Request, id: str, who: str) -> FileRecord:
+    record = service_of(request).store.file(id, owner=who)
+    if record is None:
+        raise APIError.not_found("file", id)
+    return record
+
+
+@files_router.get("/files/{file_id}")
+def retrieve_file(request: Request, file_id: str, who: str = Depends(owner)) -> FileObject:
+    return file_object(_own_file(request, file_id, who))
+
+
+@files_router.get("/files/{file_id}/content")
+def file_content(request: Request, file_id: str, who: str = Depends(owner)) -> StreamingResponse:
+    record = _own_file(request, file_id, who)
+    chunks: Iterator[bytes] = service_of(request).files.chunks(record.location)
+    return StreamingResponse(chunks, media_type="application/octet-stream",
+                             headers={"Content-Length": str(record.bytes)})
+
+
+@files_router.delete("/files/{file_id}")
+def delete_file(request: Request, file_id: str, who: str = Depends(owner)) -> FileDeleted:
+    service = service_of(request)
+    record = _own_file(request, file_id, who)
+    readers = service.store.batches_reading(file_id)
+    if readers:
+        raise APIError.invalid(f"The file is the input of batch {readers[0].id}, which has not finished; delete it "
+                               "once the batch is done (or cancel the batch).", param="file_id")
+    service.store.delete_file(file_id)
+    service.files.delete(record.location)
+    return FileDeleted(id=file_id)
+
+
+# ---- batches ---------------------------------------------------------------------------------------------------------
+
+batches_router = APIRouter()
+
+
+def batch_object(b: BatchRecord) -> Batch:
+    usage = None
+    if b.input_tokens is not None:
+        usage = {"input_tokens": b.input_tokens, "output_tokens": b.output_tokens or 0,
+                 "total_tokens": b.input_tokens + (b.output_tokens or 0)}
+    return Batch(id=b.id, endpoint=b.endpoint, model=b.model, errors=b.errors, input_file_id=b.input_file_id,
+                 completion_window=b.completion_window, status=b.status.value, output_file_id=b.output_file_id,
+                 error_file_id=b.error_file_id, created_at=b.created_at, in_progress_at=b.in_progress_at,
+                 expires_at=b.expires_at, finalizing_at=b.finalizing_at, completed_at=b.completed_at,
+                 failed_at=b.failed_at, expired_at=b.expired_at, cancelling_at=b.cancelling_at,
+                 cancelled_at=b.cancelled_at,
+                 request_counts={"total": b.total, "completed": b.completed, "failed": b.failed},
+                 usage=usage, metadata=b.metadata)  # type: ignore[arg-type]
+
+
+@batches_router.post("/batches")
+def create_batch(request: Request, body: BatchCreate, who: str = Depends(owner)) -> Batch:
+    service = service_of(request)
+    if body.endpoint not in ENDPOINTS:
+        raise APIError.invalid(f"Unsupported endpoint {body.endpoint!r}; this server runs "
+                               f"{', '.join(sorted(ENDPOINTS))}.", param="endpoint", code="unsupported_endpoint")
+    windows = service.settings.windows()
+    if body.completion_window not in windows:
+        raise APIError.invalid(f"completion_window must be one of {', '.join(windows)}; got "
+                               f"{body.completion_window!r}.", param="completion_window")
+    source = service.store.file(body.input_file_id, owner=who)
+    if source is None:
+        raise APIError.not_found("file", body.input_file_id)
+    if source.purpose != "batch":
+        raise APIError.invalid(f"File {source.id} has purpose {source.purpose!r}; a batch's input file is uploaded "
+                               "with purpose 'batch'.", param="input_file_id")
+    now = int(time.time())
+    record = BatchRecord(id=new_id("batch_"), owner=who, status=Status.VALIDATING, endpoint=body.endpoint,
+                         input_file_id=source.id, completion_window=body.completion_window, created_at=now,
+                         expires_at=now + windows[body.completion_window], metadata=body.metadata,
+                         output_expires_after=body.output_expires_after.seconds if body.output_expires_after
+                         else None)
+    service.store.add_batch(record)
+    service.scheduler.wake()
+    log.info("batch %s: created over %s (%s)", record.id, source.id, body.endpoint)
+    return batch_object(record)
+
+
+def _own_batch(request: Request, id: str, who: str) -> BatchRecord:
+    record = service_of(request).store.batch(id, owner=who)
+    if record is None:
+        raise APIError.not_found("batch", id)
+    return record
+
+
+@batches_router.get("/batches/{batch_id}")
+def retrieve_batch(request: Request, batch_id: str, who: str = Depends(owner)) -> Batch:
+    return batch_object(_own_batch(request, batch_id, who))
+
+
+@batches_router.get("/batches")
+def list_batches(request: Request, who: str = Depends(owner), limit: int = Query(20, ge=1, le=100),
+                 after: Optional[str] = None) -> Page[Batch]:
+    records, more = service_of(request).store.batches(who, limit, after)
+    return Page.of([batch_object(r) for r in records], more)
+
+
+@batches_router.post("/batches/{batch_id}/cancel")
+def cancel_batch(request: Request, batch_id: str, who: str = Depends(owner)) -> Batch:
+    service = service_of(request)
+    batch = _own_batch(request, batch_id, who)
+    if batch.status is Status.CANCELLING:
+        return batch_object(batch)
+    moved = service.store.move(batch_id, Status.CANCELLING) if batch.status in CANCELLABLE else None
+    if moved is None:
+        now = service.store.batch(batch_id) or batch
+        raise APIError.invalid(f"Cannot cancel a batch that is {now.status.value}.", param="batch_id")
+    service.scheduler.wake()
+    log.info("batch %s: cancel requested", batch_id)
+    return batch_object(moved)
+
+

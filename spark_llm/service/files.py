@@ -1,0 +1,198 @@
+"""The bytes of the service's files under its storage root (a local directory, or any filesystem pyarrow opens:
+``s3://``, ``gs://``, ``abfss://``, ``hdfs://``), and the upload of a batch input file: a multipart body parsed as
+it arrives and written straight to storage, checked on the way (size, text, not empty), never held in memory."""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Optional
+
+from ..storage import python_filesystem
+from .protocol import APIError
+
+#: Bytes a download reads from storage at a time.
+CHUNK_BYTES = 1 << 20
+#: A filename a client may give: no path parts, no control characters, at most 255 characters.
+_BAD_FILENAME = re.compile(r"[\x00-\x1f\x7f/\\]")
+
+
+class FileStorage:
+    """Files under ``root``: input files as ``files/<id>``, each batch's results under ``batches/<id>/``."""
+
+    def __init__(self, root: str):
+        self.root = root.rstrip("/") if "://" in root or root.startswith("file:") else os.path.abspath(root)
+        filesystem, path = python_filesystem(self.root)
+        filesystem.create_dir(path, recursive=True)
+
+    def location(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    @contextlib.contextmanager
+    def writing(self, location: str) -> Iterator[Any]:
+        """A stream that becomes ``location`` when the block ends without an error (written under a temporary
+        name first: a reader never sees half a file); removed otherwise."""
+        filesystem, path = python_filesystem(location)
+        filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        temporary = f"{path}.{uuid.uuid4().hex[:8]}.partial"
+        try:
+            with filesystem.open_output_stream(temporary) as out:
+                yield out
+            filesystem.move(temporary, path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                filesystem.delete_file(temporary)
+            raise
+
+    def chunks(self, location: str) -> Iterator[bytes]:
+        filesystem, path = python_filesystem(location)
+        with filesystem.open_input_stream(path) as stream:
+            while chunk := stream.read(CHUNK_BYTES):
+                yield chunk
+
+    def size(self, location: str) -> Optional[int]:
+        """Bytes of the file at ``location``; None when there is none."""
+        from pyarrow import fs
+
+        filesystem, path = python_filesystem(location)
+        info = filesystem.get_file_info(path)
+        return info.size if info.type == fs.FileType.File else None
+
+    def delete(self, location: str) -> None:
+        filesystem, path = python_filesystem(location)
+        with contextlib.suppress(FileNotFoundError):
+            filesystem.delete_file(path)
+
+
+def check_filename(name: Optional[str]) -> str:
+    if not name or name in (".", "..") or len(name) > 255 or _BAD_FILENAME.search(name):
+        raise APIError.invalid("The filename must be 1 to 255 characters without path separators or control "
+                               f"characters; got {name!r}.", param="file", code="invalid_filename")
+    return name
+
+
+class TextCheck:
+    """A batch input file's bytes as they arrive: at most ``limit`` of them, UTF-8 text without NUL bytes, and not
+    blank. Each failure is the :class:`APIError` the upload answers."""
+
+    def __init__(self, limit: int):
+        self.limit, self.bytes, self.blank = limit, 0, True
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def feed(self, data: bytes) -> None:
+        self.bytes += len(data)
+        if self.bytes > self.limit:
+            raise APIError.invalid(f"The file is larger than this server's limit of {self.limit} bytes; split it "
+                                   "into several batches.", param="file", code="file_too_large")
+        try:
+            text = self._decoder.decode(data)
+        except UnicodeDecodeError:
+            raise _not_text() from None
+        if "\x00" in text:
+            raise _not_text()
+        if self.blank and text.strip():
+            self.blank = False
+
+    def close(self) -> None:
+        try:
+            self._decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise _not_text() from None
+        if self.blank:
+            raise APIError.invalid("The file is empty: a batch input file holds one JSON request per line.",
+                                   param="file", code="empty_file")
+
+
+def _not_text() -> APIError:
+    return APIError.invalid("The file is not a UTF-8 text file; a batch input file is JSONL (one JSON request per "
+                            "line).", param="file", code="invalid_file_format")
+
+
+@dataclass
+class Upload:
+    """A multipart upload as received: its form fields, and the file part's name and size (its bytes are at the
+    location given to :func:`receive_upload`)."""
+
+    fields: dict[str, str]
+    filename: Optional[str] = None
+    bytes: int = 0
+
+
+async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage: FileStorage, location: str,
+                         limit: int) -> Upload:
+    """Parse a ``multipart/form-data`` body as it arrives: the part named ``file`` is checked (:class:`TextCheck`)
+    and written to ``location``, the other parts are form fields (at most 64 KiB each). A refused upload leaves
+    nothing stored; the body is still read to its end, so that the client reads the answer and not a reset."""
+    from python_multipart.multipart import MultipartParser, parse_options_header
+
+    kind, options = parse_options_header(content_type)
+    if kind != b"multipart/form-data" or b"boundary" not in options:
+        raise APIError.invalid("Expected a multipart/form-data body with the file and its purpose.")
+    upload = Upload(fields={})
+    check = TextCheck(limit)
+    failure: list[APIError] = []
+    state: dict[str, Any] = {"headers": [], "name": None, "field": b"", "value": b""}
+
+    with contextlib.ExitStack() as stack:
+        out: list[Any] = []
+
+        def on_header_field(data: bytes, start: int, end: int) -> None:
+            state["field"] += data[start:end]
+
+        def on_header_value(data: bytes, start: int, end: int) -> None:
+            state["value"] += data[start:end]
+
+        def on_header_end() -> None:
+            state["headers"].append((state["field"].lower(), state["value"]))
+            state["field"], state["value"] = b"", b""
+
+        def on_headers_finished() -> None:
+            disposition = dict(state["headers"]).get(b"content-disposition", b"")
+            _, params = parse_options_header(disposition)
+            name = params.get(b"name", b"").decode("utf-8", "replace")
+            state["name"], state["headers"] = name, []
+            if name == "file":
+                upload.filename = params.get(b"filename", b"").decode("utf-8", "replace")
+                out.append(stack.enter_context(storage.writing(location)))
+            else:
+                upload.fields[name] = ""
+
+        def on_part_data(data: bytes, start: int, end: int) -> None:
+            if failure:
+                return
+            chunk = data[start:end]
+            try:
+                if state["name"] == "file":
+                    check.feed(chunk)
+                    out[-1].write(chunk)
+                else:
+                    value = upload.fields[state["name"]] + chunk.decode("utf-8", "replace")
+                    if len(value) > 65536:
+                        raise APIError.invalid(f"The form field {state['name']!r} is too long.")
+                    upload.fields[state["name"]] = value
+            except APIError as exc:
+                failure.append(exc)
+
+        def on_part_end() -> None:
+            if state["name"] == "file" and not failure:
+                try:
+                    check.close()
+                except APIError as exc:
+                    failure.append(exc)
+
+        parser = MultipartParser(options[b"boundary"], {
+            "on_header_field": on_header_field, "on_header_value": on_header_value, "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end})
+        async for data in body:
+            parser.write(data)
+        parser.finalize()
+        if failure:
+            raise failure[0]  # the writer removes what it wrote
+        if upload.filename is None:
+            raise APIError.invalid("The body has no part named 'file'.", param="file")
+    upload.bytes = check.bytes
+    return upload

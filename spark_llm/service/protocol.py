@@ -1,0 +1,128 @@
+"""OpenAI's Files and Batches shapes, as openai-python's types define them (``openai.types.FileObject``,
+``openai.types.Batch``, the cursor page), and its error body: one exception, :class:`APIError`, renders
+``{"error": {"message", "type", "param", "code"}}`` with the status the SDK maps to its exception classes."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, Optional, TypeVar
+
+from pydantic import BaseModel, Field, field_validator
+
+from ..batch import BatchErrors, RequestCounts, Usage
+
+T = TypeVar("T")
+
+#: Seconds an ``expires_after`` / ``output_expires_after`` may give, as OpenAI bounds them (1 hour to 30 days).
+EXPIRES_AFTER_SECONDS = (3600, 2_592_000)
+#: OpenAI's metadata limits: pairs, key length, value length.
+METADATA_LIMITS = (16, 64, 512)
+
+
+class APIError(Exception):
+    """An API call refused, rendered as OpenAI's error body with ``status`` (400 -> ``BadRequestError``, 401 ->
+    ``AuthenticationError``, 404 -> ``NotFoundError`` in openai-python)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def invalid(cls, message: str, param: Optional[str] = None, code: Optional[str] = None) -> "APIError":
+        return cls(400, message, param=param, code=code)
+
+    @classmethod
+    def not_found(cls, what: str, id: str) -> "APIError":
+        """What OpenAI answers for an id that does not exist or is another key's: the two look the same."""
+        return cls(404, f"No {what} found with id '{id}'.", param="id", code=None)
+
+
+class ExpiresAfter(BaseModel):
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=EXPIRES_AFTER_SECONDS[0], le=EXPIRES_AFTER_SECONDS[1])
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: Optional[int] = None
+    status_details: Optional[str] = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: Optional[str] = None
+    errors: Optional[BatchErrors] = None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                    "cancelled"]
+    output_file_id: Optional[str] = None
+    error_file_id: Optional[str] = None
+    created_at: int
+    in_progress_at: Optional[int] = None
+    expires_at: Optional[int] = None
+    finalizing_at: Optional[int] = None
+    completed_at: Optional[int] = None
+    failed_at: Optional[int] = None
+    expired_at: Optional[int] = None
+    cancelling_at: Optional[int] = None
+    cancelled_at: Optional[int] = None
+    request_counts: RequestCounts
+    usage: Optional[Usage] = None
+    metadata: Optional[dict[str, str]] = None
+
+
+class BatchCreate(BaseModel):
+    """``POST /v1/batches``' body (openai-python's ``BatchCreateParams``)."""
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: Optional[dict[str, str]] = None
+    output_expires_after: Optional[ExpiresAfter] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        pairs, key_chars, value_chars = METADATA_LIMITS
+        if v is not None:
+            if len(v) > pairs:
+                raise ValueError(f"metadata holds {len(v)} pairs; at most {pairs} are allowed")
+            for key, value in v.items():
+                if len(key) > key_chars:
+                    raise ValueError(f"metadata key {key[:20]!r}... is over {key_chars} characters")
+                if len(value) > value_chars:
+                    raise ValueError(f"metadata value of {key!r} is over {value_chars} characters")
+        return v
+
+
+class Page(BaseModel, Generic[T]):
+    """A cursor page (openai-python's ``SyncCursorPage``): the next page is ``after=<last id>``."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    first_id: Optional[str] = None
+    last_id: Optional[str] = None
+    has_more: bool = False
+
+    @classmethod
+    def of(cls, items: list[Any], has_more: bool) -> "Page":
+        return cls(data=items, first_id=items[0].id if items else None, last_id=items[-1].id if items else None,
+                   has_more=has_more)

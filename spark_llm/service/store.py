@@ -1,0 +1,259 @@
+"""Where the service keeps its state: file and batch records in a SQL database through SQLAlchemy (a SQLite file
+under the storage root by default, PostgreSQL for a shared one), so that a server started again finds its queue
+and the batches it was running. Records cross modules as :class:`FileRecord` and :class:`BatchRecord`; a batch's
+status only moves through :meth:`Store.move`, a compare-and-set on the status the lifecycle allows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import sqlalchemy as sa
+
+from . import lifecycle
+from .lifecycle import Status
+
+metadata = sa.MetaData()
+
+files_table = sa.Table(
+    "files", metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),  # the listing order
+    sa.Column("id", sa.String(64), unique=True, nullable=False),
+    sa.Column("owner", sa.String(64), nullable=False, index=True),
+    sa.Column("filename", sa.String(255), nullable=False),
+    sa.Column("purpose", sa.String(32), nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("expires_at", sa.BigInteger),
+    sa.Column("location", sa.Text, nullable=False),  # where the bytes are, under the storage root
+)
+
+batches_table = sa.Table(
+    "batches", metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),  # the queue's and the listing's order
+    sa.Column("id", sa.String(64), unique=True, nullable=False),
+    sa.Column("owner", sa.String(64), nullable=False, index=True),
+    sa.Column("status", sa.String(16), nullable=False, index=True),
+    sa.Column("endpoint", sa.String(64), nullable=False),
+    sa.Column("input_file_id", sa.String(64), nullable=False),
+    sa.Column("completion_window", sa.String(16), nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("expires_at", sa.BigInteger),
+    *(sa.Column(name, sa.BigInteger) for name in lifecycle.TIMESTAMP.values()),
+    sa.Column("output_file_id", sa.String(64)),
+    sa.Column("error_file_id", sa.String(64)),
+    sa.Column("model", sa.Text),
+    sa.Column("total", sa.Integer, nullable=False, default=0),
+    sa.Column("completed", sa.Integer, nullable=False, default=0),
+    sa.Column("failed", sa.Integer, nullable=False, default=0),
+    sa.Column("input_tokens", sa.BigInteger),
+    sa.Column("output_tokens", sa.BigInteger),
+    sa.Column("errors_json", sa.Text),
+    sa.Column("metadata_json", sa.Text),
+    sa.Column("output_expires_after", sa.Integer),
+    sa.Column("runs", sa.Integer, nullable=False, default=0),  # runs started: the next one resumes
+)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    id: str
+    owner: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: int
+    location: str
+    expires_at: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    id: str
+    owner: str
+    status: Status
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    created_at: int
+    expires_at: Optional[int] = None
+    in_progress_at: Optional[int] = None
+    finalizing_at: Optional[int] = None
+    completed_at: Optional[int] = None
+    failed_at: Optional[int] = None
+    cancelling_at: Optional[int] = None
+    cancelled_at: Optional[int] = None
+    expired_at: Optional[int] = None
+    output_file_id: Optional[str] = None
+    error_file_id: Optional[str] = None
+    model: Optional[str] = None
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    input_tokens: Optional[int] = None
+    output_tokens: Optional[int] = None
+    errors: Optional[dict] = None
+    metadata: Optional[dict[str, str]] = None
+    output_expires_after: Optional[int] = None
+    runs: int = 0
+
+    def expired(self, now: Optional[float] = None) -> bool:
+        """Its completion window has run out."""
+        return self.expires_at is not None and (now or time.time()) >= self.expires_at
+
+
+_JSON_FIELDS = {"errors": "errors_json", "metadata": "metadata_json"}
+
+
+def _batch_row(batch: BatchRecord) -> dict[str, Any]:
+    row = dataclasses.asdict(batch)
+    row["status"] = batch.status.value
+    for name, column in _JSON_FIELDS.items():
+        value = row.pop(name)
+        row[column] = None if value is None else json.dumps(value)
+    return row
+
+
+def _batch_record(row: Any) -> BatchRecord:
+    values = dict(row._mapping)
+    values.pop("seq", None)
+    values["status"] = Status(values["status"])
+    for name, column in _JSON_FIELDS.items():
+        text = values.pop(column)
+        values[name] = None if text is None else json.loads(text)
+    return BatchRecord(**values)
+
+
+def _file_record(row: Any) -> FileRecord:
+    values = dict(row._mapping)
+    values.pop("seq", None)
+    return FileRecord(**values)
+
+
+class Store:
+    """The records, in the database at ``url``; every call is its own transaction and safe from any thread."""
+
+    def __init__(self, url: str):
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        self.engine = sa.create_engine(url, **kwargs)
+        if url.startswith("sqlite"):
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        metadata.create_all(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- files ---------------------------------------------------------------------------------------------------
+    def add_file(self, record: FileRecord) -> None:
+        with self.engine.begin() as db:
+            db.execute(files_table.insert().values(**dataclasses.asdict(record)))
+
+    def file(self, id: str, owner: Optional[str] = None) -> Optional[FileRecord]:
+        """The file ``id`` (of ``owner``, when given: another key's file is not found)."""
+        query = files_table.select().where(files_table.c.id == id)
+        if owner is not None:
+            query = query.where(files_table.c.owner == owner)
+        with self.engine.connect() as db:
+            row = db.execute(query).first()
+        return _file_record(row) if row else None
+
+    def files(self, owner: str, purpose: Optional[str], limit: int, after: Optional[str],
+              newest_first: bool) -> tuple[list[FileRecord], bool]:
+        """A page of ``owner``'s files and whether more follow."""
+        t = files_table
+        query = t.select().where(t.c.owner == owner)
+        if purpose:
+            query = query.where(t.c.purpose == purpose)
+        return self._page(t, query, limit, after, newest_first, _file_record)
+
+    def delete_file(self, id: str) -> None:
+        with self.engine.begin() as db:
+            db.execute(files_table.delete().where(files_table.c.id == id))
+
+    # ---- batches -------------------------------------------------------------------------------------------------
+    def add_batch(self, record: BatchRecord) -> None:
+        with self.engine.begin() as db:
+            db.execute(batches_table.insert().values(**_batch_row(record)))
+
+    def batch(self, id: str, owner: Optional[str] = None) -> Optional[BatchRecord]:
+        query = batches_table.select().where(batches_table.c.id == id)
+        if owner is not None:
+            query = query.where(batches_table.c.owner == owner)
+        with self.engine.connect() as db:
+            row = db.execute(query).first()
+        return _batch_record(row) if row else None
+
+    def batches(self, owner: str, limit: int, after: Optional[str]) -> tuple[list[BatchRecord], bool]:
+        """A page of ``owner``'s batches, newest first, and whether more follow."""
+        t = batches_table
+        return self._page(t, t.select().where(t.c.owner == owner), limit, after, True, _batch_record)
+
+    def unfinished(self) -> list[BatchRecord]:
+        """Every batch not in a final status, oldest first: the queue, the running ones, and after a restart the
+        ones a server was running when it stopped."""
+        t = batches_table
+        query = t.select().where(t.c.status.notin_([s.value for s in lifecycle.FINAL])).order_by(t.c.seq)
+        with self.engine.connect() as db:
+            return [_batch_record(r) for r in db.execute(query)]
+
+    def batches_reading(self, file_id: str) -> list[BatchRecord]:
+        """Unfinished batches whose input is ``file_id``."""
+        return [b for b in self.unfinished() if b.input_file_id == file_id]
+
+    def move(self, id: str, to: Status, now: Optional[int] = None, **changes: Any) -> Optional[BatchRecord]:
+        """Move batch ``id`` to status ``to`` (setting its timestamp and ``changes``) if its status allows it:
+        the batch as it is now, or None when it was not in a status ``to`` may follow (another call moved it)."""
+        values = {"status": to.value, lifecycle.TIMESTAMP[to]: now or int(time.time()), **_columns(changes)}
+        allowed = [s.value for s in lifecycle.sources(to)]
+        t = batches_table
+        with self.engine.begin() as db:
+            done = db.execute(t.update().where(t.c.id == id, t.c.status.in_(allowed)).values(**values)).rowcount
+        return self.batch(id) if done else None
+
+    def update(self, id: str, **changes: Any) -> None:
+        """Set fields of batch ``id`` that are not its status (counts, files, runs)."""
+        assert "status" not in changes
+        with self.engine.begin() as db:
+            db.execute(batches_table.update().where(batches_table.c.id == id).values(**_columns(changes)))
+
+    def add_counts(self, id: str, completed: int = 0, failed: int = 0) -> None:
+        t = batches_table
+        with self.engine.begin() as db:
+            db.execute(t.update().where(t.c.id == id).values(completed=t.c.completed + completed,
+                                                               failed=t.c.failed + failed))
+
+    # ---- paging --------------------------------------------------------------------------------------------------
+    def _page(self, t: sa.Table, query: Any, limit: int, after: Optional[str], newest_first: bool,
+              record: Any) -> tuple[list, bool]:
+        if after:
+            cursor = sa.select(t.c.seq).where(t.c.id == after).scalar_subquery()
+            query = query.where(t.c.seq < cursor if newest_first else t.c.seq > cursor)
+        query = query.order_by(t.c.seq.desc() if newest_first else t.c.seq).limit(limit + 1)
+        with self.engine.connect() as db:
+            rows = [record(r) for r in db.execute(query)]
+        return rows[:limit], len(rows) > limit
+
+
+def _columns(changes: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in changes.items():
+        if name in _JSON_FIELDS:
+            out[_JSON_FIELDS[name]] = None if value is None else json.dumps(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _sqlite_pragmas(connection: Any, record: Any) -> None:
+    """WAL: the API's reads never wait for the scheduler's writes."""
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
