@@ -1,0 +1,332 @@
+"""The batch service as a user meets it: a real ``spark-llm serve`` process on 127.0.0.1 (its own Spark session and
+engines, the tiny model) driven by the real openai-python client, through files.create -> batches.create ->
+batches.retrieve -> files.content, with two API keys, cancels, an expired window and a ``kill -9``."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import MODEL_NAME, chat_line, engine_settings, write_jsonl
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.engine
+
+KEY_A, KEY_B = "sk-test-a", "sk-test-b"
+MAX_FILE_BYTES = 300_000
+#: Settings of the server's batches besides the tests' engine settings: small partitions, a Delta commit each, so
+#: that a batch of a few hundred lines runs in several waves (a cancel or a kill lands between two of them).
+SERVER_SETTINGS = dict(num_task_slots=1, target_tokens_per_partition=1500, wave_partitions=1)
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``spark-llm serve`` in a process group of its own (its JVM and engines with it), restartable on the same
+    storage; every group it ever had is killed at the end."""
+
+    def __init__(self, root: Path, model: str):
+        self.root, self.storage = root, root / "storage"
+        self.config = root / "serve.yaml"
+        self.config.write_text(yaml.safe_dump({**engine_settings(model), **SERVER_SETTINGS, "spark": {
+            "spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"}}))
+        self.keys = root / "keys.txt"
+        self.keys.write_text(f"# the test's keys\n{KEY_A}\n{KEY_B}\n")
+        self.groups: list[int] = []
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        from spark_llm.engine_service import ENGINE_DIR_ENV
+        from spark_llm.faults import FAULT_ENV
+
+        self.port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+        env[ENGINE_DIR_ENV] = str(self.root / "engines")
+        log = open(self.root / f"server-{len(self.groups)}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spark_llm.cli", "serve", "--config", str(self.config), "--master", "local[2]",
+             "--storage", str(self.storage), "--port", str(self.port), "--api-keys", str(self.keys),
+             "--completion-windows", "24h,4s", "--max-file-bytes", str(MAX_FILE_BYTES)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True)
+        self.groups.append(self.proc.pid)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                self.client(KEY_A).batches.list(limit=1)
+                return
+            except openai.APIConnectionError:
+                time.sleep(0.3)
+        raise AssertionError("the server did not answer within 120 s\n" + self.log())
+
+    def client(self, key: str | None = KEY_A) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key or "none", max_retries=0,
+                             timeout=60)
+
+    def kill9(self) -> None:
+        """SIGKILL to the server process alone, as ``kill -9 <pid>``."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        for group in self.groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            self.proc.wait()
+
+    def log(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.root.glob("server-*.log")))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("service"), tiny_model)
+    s.start()
+    yield s
+    s.stop()
+
+
+def wait_for(client, batch_id: str, until=lambda b: b.status in FINAL, timeout: float = 300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {batch.status} after {timeout} s: {batch}")
+
+
+def lines_of(client, file_id: str | None) -> list[dict]:
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def upload(client, path: Path, name: str | None = None):
+    return client.files.create(file=(name or path.name, path.read_bytes()), purpose="batch")
+
+
+def raw_upload(server: Server, filename: bytes, content: bytes):
+    """An upload whose multipart body is written by hand (openai-python escapes control characters in names)."""
+    import httpx
+
+    body = (b"--b0undary\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"" + filename + b"\"\r\n"
+            b"Content-Type: application/octet-stream\r\n\r\n" + content + b"\r\n--b0undary--\r\n")
+    response = httpx.post(f"http://127.0.0.1:{server.port}/v1/files", content=body, headers={
+        "Authorization": f"Bearer {KEY_A}", "Content-Type": "multipart/form-data; boundary=b0undary"})
+    if response.status_code == 400:
+        raise openai.BadRequestError(response.json()["error"]["message"], response=response,
+                                     body=response.json()["error"])
+    return response
+
+
+def long_input(path: Path, n: int = 240) -> Path:
+    return write_jsonl(path, [chat_line(f"long-{i}", f"Count to {i} slowly.", temperature=0, max_tokens=24)
+                              for i in range(n)])
+
+
+def one_row_each(server: Server, batch) -> tuple[list[dict], list[dict]]:
+    """The batch's output and error lines, after checking that every input line is in exactly one of them."""
+    client = server.client()
+    out, err = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    ids = collections.Counter(line["custom_id"] for line in out + err)
+    assert all(n == 1 for n in ids.values()), [i for i, n in ids.items() if n > 1]
+    assert len(out) + len(err) == batch.request_counts.total
+    assert (len(out), len(err)) == (batch.request_counts.completed, batch.request_counts.failed)
+    return out, err
+
+
+# ---- refused at the door ---------------------------------------------------------------------------------------------
+
+def test_bad_uploads_and_batches_are_refused_with_openai_errors_and_nothing_stored(server, tmp_path):
+    client = server.client(KEY_A)
+    before = {f.id for f in client.files.list()}
+    good = write_jsonl(tmp_path / "good.jsonl", [chat_line("x")])
+    refused = {
+        "purpose": lambda: client.files.create(file=good.open("rb"), purpose="fine-tune"),
+        "too large": lambda: client.files.create(file=("big.jsonl", b'{"a": 1}\n' * (MAX_FILE_BYTES // 9 + 1)),
+                                                 purpose="batch"),
+        "empty": lambda: client.files.create(file=("empty.jsonl", b"\n \n"), purpose="batch"),
+        "binary": lambda: client.files.create(file=("x.jsonl", b'{"a": "\x00\x01"}\n'), purpose="batch"),
+        "not utf-8": lambda: client.files.create(file=("x.jsonl", b'{"a": "\xff\xfe"}\n'), purpose="batch"),
+        "path in name": lambda: upload(client, good, "../../etc/passwd"),
+        "control char in name": lambda: raw_upload(server, b"a\x01b.jsonl", good.read_bytes()),
+    }
+    for what, call in refused.items():
+        with pytest.raises(openai.BadRequestError, match=".") as caught:
+            call()
+            pytest.fail(f"{what}: accepted")
+        assert caught.value.body["message"], what
+    assert {f.id for f in client.files.list()} == before
+    assert not list((server.storage / "files").glob("*.partial"))
+    assert len(list((server.storage / "files").iterdir())) == len(before)
+
+    source = upload(client, good)
+    create = dict(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for what, change in {"endpoint": {"endpoint": "/v1/images/generations"},
+                         "window": {"completion_window": "1h"},
+                         "17 metadata pairs": {"metadata": {f"k{i}": "v" for i in range(17)}},
+                         "long metadata key": {"metadata": {"k" * 65: "v"}},
+                         "long metadata value": {"metadata": {"k": "v" * 513}}}.items():
+        with pytest.raises(openai.BadRequestError):
+            client.batches.create(**{**create, **change})
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(**{**create, "input_file_id": "file-doesnotexist"})
+    assert not [b for b in client.batches.list() if b.input_file_id == source.id]
+    client.files.delete(source.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(source.id)
+
+
+def test_keys_see_only_their_own_files_and_batches(server, tmp_path):
+    a, b = server.client(KEY_A), server.client(KEY_B)
+    with pytest.raises(openai.AuthenticationError):
+        server.client(None).files.list()
+    with pytest.raises(openai.AuthenticationError):
+        server.client("sk-wrong").batches.list()
+    source = upload(a, write_jsonl(tmp_path / "a.jsonl", [chat_line("only-a", temperature=0, max_tokens=2)]))
+    batch = a.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: b.files.retrieve(source.id), lambda: b.files.content(source.id),
+                 lambda: b.files.delete(source.id), lambda: b.batches.retrieve(batch.id),
+                 lambda: b.batches.cancel(batch.id),
+                 lambda: b.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert source.id not in {f.id for f in b.files.list()}
+    assert batch.id not in {x.id for x in b.batches.list()}
+    done = wait_for(a, batch.id)
+    assert done.status == "completed"
+    with pytest.raises(openai.NotFoundError):
+        b.files.content(done.output_file_id)
+    assert lines_of(a, done.output_file_id)[0]["custom_id"] == "only-a"
+
+
+# ---- a batch's life ---------------------------------------------------------------------------------------------------
+
+def test_the_sdk_flow_gives_the_files_spark_llm_run_writes(server, shared_run, tmp_path, spark):
+    """files.create -> batches.create -> batches.retrieve -> files.content over one of the shared run's input files:
+    the same requests answered and the same error lines as the job wrote for it (ids, timestamps and the sampled
+    text aside: the engines batch the requests differently)."""
+    from batch_lines import build_e2e_input
+
+    build_e2e_input(tmp_path)
+    client = server.client()
+    source = upload(client, tmp_path / "a.jsonl")
+    assert (source.purpose, source.filename, source.bytes) == ("batch", "a.jsonl", (tmp_path / "a.jsonl").stat().st_size)
+    assert client.files.content(source.id).content == (tmp_path / "a.jsonl").read_bytes()
+    created = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h", metadata={"team": "nightly"})
+    assert (created.status, created.request_counts.total) == ("validating", 0)
+    assert created.expires_at == created.created_at + 24 * 3600
+    seen = set()
+    batch = wait_for(client, created.id, until=lambda b: seen.add(b.status) or b.status in FINAL)
+    assert batch.status == "completed", batch
+    assert seen <= {"validating", "in_progress", "finalizing", "completed"}
+    assert created.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    assert batch.metadata == {"team": "nightly"} and batch.model == MODEL_NAME
+    assert [e.file for e in batch.errors.data] == [source.id] * len(batch.errors.data)
+    out, err = one_row_each(server, batch)
+    assert batch.usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in out)
+    for file_id, purpose in ((batch.output_file_id, "batch_output"), (batch.error_file_id, "batch_output")):
+        assert client.files.retrieve(file_id).purpose == purpose
+
+    tables = shared_run.result.paths
+    job_out = (spark.read.format("delta").load(tables.outputs_table).where("file LIKE '%/a.jsonl'")
+               .select("custom_id", "response_body").collect())
+    job_err = (spark.read.format("delta").load(tables.errors_table).where("file LIKE '%/a.jsonl'")
+               .select("custom_id", "code", "message").collect())
+
+    def shape(body: dict) -> tuple:
+        return (body["object"], body["model"], body["usage"]["prompt_tokens"], len(body["choices"]),
+                sorted(body["choices"][0]))
+
+    assert sorted((o["custom_id"], shape(o["response"]["body"])) for o in out) == \
+        sorted((r["custom_id"], shape(json.loads(r["response_body"]))) for r in job_out)
+    assert sorted((e["custom_id"] or "", e["error"]["code"], e["error"]["message"]) for e in err) == \
+        sorted((r["custom_id"] or "", r["code"], r["message"]) for r in job_err)
+    # the shared Delta tables hold the batch's rows under its OpenAI id
+    rows = spark.read.format("delta").load(str(server.storage / "tables" / "outputs")).where(
+        f"batch_id = '{batch.id}'").count()
+    assert rows == batch.request_counts.completed
+
+
+def test_batches_list_pages_newest_first(server, tmp_path):
+    client = server.client(KEY_B)
+    source = upload(client, write_jsonl(tmp_path / "p.jsonl", [chat_line("p", max_tokens=1)]))
+    made = [client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+            for _ in range(3)]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == [made[2].id, made[1].id] and first.has_more
+    assert [b.id for b in client.batches.list(limit=2, after=made[1].id).data][:1] == [made[0].id]
+    assert [b.id for b in client.batches.list(limit=2).iter_pages()][:0] == []  # pages iterate
+    assert [b.id for b in client.batches.list(limit=1)][:3] == [m.id for m in reversed(made)]
+    files = client.files.list(order="asc", limit=1)
+    assert files.data and files.has_more is False or files.data[0].id == source.id
+    for batch in made:
+        wait_for(client, batch.id)
+
+
+def test_cancel_delivers_the_answers_and_lists_the_rest_as_batch_cancelled(server, tmp_path):
+    client = server.client()
+    source = upload(client, long_input(tmp_path / "long.jsonl"))
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(client, batch.id, until=lambda b: b.request_counts.completed > 0 or b.status in FINAL)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    done = wait_for(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at >= done.cancelling_at
+    out, err = one_row_each(server, done)
+    assert done.request_counts.total == 240 and out
+    assert err and {e["error"]["code"] for e in err} == {"batch_cancelled"}
+    with pytest.raises(openai.BadRequestError):
+        client.batches.cancel(batch.id)
+
+
+def test_a_batch_past_its_completion_window_expires(server, tmp_path):
+    client = server.client()
+    source = upload(client, long_input(tmp_path / "long.jsonl"))
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="4s")
+    assert batch.expires_at == batch.created_at + 4
+    done = wait_for(client, batch.id)
+    assert done.status == "expired" and done.expired_at >= done.expires_at
+    out, err = one_row_each(server, done)
+    assert done.request_counts.total == 240
+    assert err and {e["error"]["code"] for e in err} == {"batch_expired"}
+
+
+def test_a_server_killed_mid_batch_resumes_it_exactly_once(server, tmp_path, spark):
+    client = server.client()
+    source = upload(client, long_input(tmp_path / "long.jsonl"))
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    midway = wait_for(client, batch.id, until=lambda b: b.request_counts.completed > 0 or b.status in FINAL)
+    assert midway.status == "in_progress"
+    server.kill9()
+    server.start()
+    client = server.client()
+    done = wait_for(client, batch.id)
+    assert done.status == "completed", server.log()
+    out, err = one_row_each(server, done)
+    assert (len(out), len(err)) == (240, 0)
+    ids = (spark.read.format("delta").load(str(server.storage / "tables" / "outputs"))
+           .where(f"batch_id = '{batch.id}'").groupBy("custom_id").count())
+    assert ids.count() == 240 and ids.where("count > 1").count() == 0
