@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""The batch service against the command line, in one run, through the real openai-python client.
+
+(a) created -> completed of a small batch (default 15 lines) on a warm server (its session and engines up), the
+    median of ``--repeat`` batches;
+(b) created -> completed of a large batch (default 2,000 lines) on the warm server, alternating with a cold
+    ``spark-llm run`` of the same file (a whole process: session start, engines, the run), ``--repeat`` pairs;
+    ``service_vs_cli=`` is the median of the pairs' cli/service ratios (above 1: the service is faster);
+(c) ``--queued`` small batches created at once: ``batches_per_minute=`` from the first create to the last batch done.
+
+Same model, engine settings, engines and torch threads per engine for the server and the command line.
+
+    python scripts/bench_service.py                                  # CPU, the tiny model built on the fly
+    python scripts/bench_service.py --repeat 5 --queued 50
+    # on a GPU node (ordinary vllm installed), an 8B model, one engine per GPU:
+    python scripts/bench_service.py --model /models/llama-3.1-8b --large 20000 --max-num-seqs 256 \\
+        --master local[8] --slots 8 --no-enforce-eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_peers import timed, write_requests  # noqa: E402
+
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_batch_through(client, file_id: str, poll: float = 0.05) -> float:
+    """Seconds from batches.create to the batch seen completed."""
+    t0 = time.monotonic()
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    while batch.status not in FINAL:
+        time.sleep(poll)
+        batch = client.batches.retrieve(batch.id)
+    if batch.status != "completed":
+        sys.exit(f"batch {batch.id} ended {batch.status}: {batch.errors}")
+    return time.monotonic() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", type=int, default=15)
+    p.add_argument("--large", type=int, default=2000)
+    p.add_argument("--queued", type=int, default=50)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--model", default=None, help="model directory (default: build the tiny model)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--master", default="local[2]")
+    p.add_argument("--slots", type=int, default=2, help="engines (task slots), of the server and the command line")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (OMP_NUM_THREADS)")
+    p.add_argument("--skip", choices=["small", "large", "queued"], action="append", default=[])
+    args = p.parse_args(argv)
+    import openai
+
+    from spark_llm.engine import apply_worker_env
+    from spark_llm.session import LOCAL_ENV
+
+    apply_worker_env()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
+    work = Path(tempfile.mkdtemp(prefix="bench_service."))
+    model = args.model
+    if model is None:
+        from make_tiny_model import build_model
+
+        model = str(build_model(work / "tiny-llm"))
+    name = Path(model).name
+    small, large = work / "small.jsonl", work / "large.jsonl"
+    write_requests(small, args.small, name, args.max_tokens, "short")
+    write_requests(large, args.large, name, args.max_tokens, "short", seed=1)
+    conf = work / "bench.yaml"
+    conf.write_text(f"spark:\n  spark.executorEnv.OMP_NUM_THREADS: '{args.threads}'\n  spark.ui.enabled: 'false'\n")
+    shared = ["--model", model, "--master", args.master, "--num-task-slots", str(args.slots), "--dtype", args.dtype,
+              "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+              "--default-max-tokens", str(args.max_tokens), "--config", str(conf),
+              "--enforce-eager" if args.enforce_eager else "--no-enforce-eager"]
+    spark_llm = str(Path(sys.executable).parent / "spark-llm")
+    port = free_port()
+    log = open(work / "server.log", "wb")
+    server = subprocess.Popen([spark_llm, "serve", "--storage", str(work / "service"), "--port", str(port), *shared],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=work, start_new_session=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        started = time.monotonic()
+        while True:
+            try:
+                client.batches.list(limit=1)
+                break
+            except openai.APIConnectionError:
+                if server.poll() is not None or time.monotonic() - started > 300:
+                    sys.exit(f"the server did not start; see {work / 'server.log'}")
+                time.sleep(0.2)
+        small_id = client.files.create(file=small.open("rb"), purpose="batch").id
+        warm = run_batch_through(client, small_id)  # the first batch: the engines finish loading
+        print(f"first batch on a new server ({args.small} lines): {warm:.2f} s")
+        if "small" not in args.skip:
+            walls = [run_batch_through(client, small_id) for _ in range(args.repeat)]
+            print(f"(a) {args.small} lines, warm server, created -> completed: median {statistics.median(walls):.2f} s "
+                  f"(runs {', '.join(f'{w:.2f}' for w in walls)})")
+        if "large" not in args.skip:
+            large_id = client.files.create(file=large.open("rb"), purpose="batch").id
+            pairs = []
+            for n in range(args.repeat):
+                service = run_batch_through(client, large_id, poll=0.2)
+                cli = timed([spark_llm, "run", "--input", str(large), "--output-dir", str(work / f"cli.{n}"),
+                             "--batch-id", "bench", *shared], dict(os.environ), work / f"cli.{n}.log")
+                pairs.append((service, cli))
+                print(f"    pair {n + 1}: service {service:.1f} s, spark-llm run {cli:.1f} s")
+            ratio = statistics.median(c / s for s, c in pairs)
+            print(f"(b) {args.large} lines: service median {statistics.median(s for s, _ in pairs):.1f} s, spark-llm "
+                  f"run median {statistics.median(c for _, c in pairs):.1f} s\nservice_vs_cli={ratio:.3f}")
+        if "queued" not in args.skip:
+            t0 = time.monotonic()
+            ids = [client.batches.create(input_file_id=small_id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id for _ in range(args.queued)]
+            while any(client.batches.retrieve(i).status not in FINAL for i in ids):
+                time.sleep(0.5)
+            minutes = (time.monotonic() - t0) / 60
+            print(f"(c) {args.queued} batches of {args.small} lines queued at once: all done in {minutes * 60:.1f} s\n"
+                  f"batches_per_minute={args.queued / minutes:.1f}")
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=120)
+    print(f"work directory: {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
