@@ -66,6 +66,7 @@ class _Progress(RunListener):
 
     def validated(self, total: int, invalid: int, answered: int) -> None:
         self._check()
+        # a resumed run's earlier rows count as completed until the run ends and its tally splits them exactly
         counts = dict(total=total, failed=invalid, completed=answered)
         if self.store.move(self.running.batch_id, Status.IN_PROGRESS, **counts) is None:  # a resumed run
             self.store.update(self.running.batch_id, **counts)

@@ -1,0 +1,112 @@
+"""The batch service's parts that need no Spark: the status machine, the store's compare-and-set and paging, the
+settings' checks, the upload checks, and the shapes against openai-python's own types."""
+
+from __future__ import annotations
+
+import pytest
+
+from spark_llm.config import ConfigError
+from spark_llm.service.files import TextCheck, check_filename
+from spark_llm.service.lifecycle import CANCELLABLE, FINAL, TIMESTAMP, TRANSITIONS, Status, sources
+from spark_llm.service.protocol import APIError, Batch, BatchCreate, FileObject
+from spark_llm.service.settings import ServiceSettings
+from spark_llm.service.store import BatchRecord, FileRecord, Store
+
+
+def test_every_status_but_validating_is_reached_and_stamped_in_a_batch_field():
+    reached = {s for after in TRANSITIONS.values() for s in after}
+    assert reached == set(Status) - {Status.VALIDATING}
+    assert set(TIMESTAMP) == reached and set(TIMESTAMP.values()) <= set(Batch.model_fields)
+    assert FINAL == {Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.EXPIRED}
+    assert sources(Status.CANCELLED) == {Status.CANCELLING} and not CANCELLABLE & FINAL
+
+
+def _batch(id: str, owner: str = "o", status: Status = Status.VALIDATING) -> BatchRecord:
+    return BatchRecord(id=id, owner=owner, status=status, endpoint="/v1/chat/completions", input_file_id="file-1",
+                       completion_window="24h", created_at=1)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(f"sqlite:///{tmp_path / 'service.db'}")
+    yield s
+    s.close()
+
+
+def test_a_status_moves_only_where_the_lifecycle_allows_and_stamps_its_time(store):
+    store.add_batch(_batch("b1"))
+    assert store.move("b1", Status.COMPLETED) is None  # validating -> completed skips in_progress, finalizing
+    moved = store.move("b1", Status.IN_PROGRESS, now=100, total=3)
+    assert (moved.status, moved.in_progress_at, moved.total) == (Status.IN_PROGRESS, 100, 3)
+    assert store.move("b1", Status.CANCELLING, now=101).cancelling_at == 101
+    assert store.move("b1", Status.FINALIZING) is None  # a cancel won the race
+    store.add_counts("b1", completed=2, failed=1)
+    done = store.move("b1", Status.CANCELLED, errors={"object": "list", "data": []})
+    assert (done.completed, done.failed, done.errors) == (2, 1, {"object": "list", "data": []})
+    assert [b.id for b in store.unfinished()] == []
+
+
+def test_pages_are_newest_first_and_owners_see_only_their_own(store):
+    for n in range(5):
+        store.add_batch(_batch(f"b{n}", owner="a" if n % 2 == 0 else "b"))
+    page, more = store.batches("a", 2, None)
+    assert [b.id for b in page] == ["b4", "b2"] and more
+    page, more = store.batches("a", 2, "b2")
+    assert [b.id for b in page] == ["b0"] and not more
+    assert store.batch("b1", owner="a") is None and store.batch("b1", owner="b").id == "b1"
+    assert [b.id for b in store.unfinished()] == ["b0", "b1", "b2", "b3", "b4"]  # the queue: oldest first
+    store.add_file(FileRecord(id="f1", owner="a", filename="x.jsonl", purpose="batch", bytes=3, created_at=1,
+                              location="/x"))
+    assert store.file("f1", owner="b") is None and store.file("f1", owner="a").bytes == 3
+
+
+def test_settings_refuse_an_open_server_without_keys_and_bad_windows(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPARK_LLM_API_KEYS", raising=False)
+    with pytest.raises(ConfigError, match="api-keys"):
+        ServiceSettings(host="0.0.0.0").check()
+    with pytest.raises(ConfigError, match="duration"):
+        ServiceSettings(completion_windows="24h,soon").check()
+    assert ServiceSettings(completion_windows="24h, 90s,2d").windows() == {"24h": 86400, "90s": 90, "2d": 172800}
+    keys = tmp_path / "keys"
+    keys.write_text("# ops\nsk-one\n\nsk-two\n")
+    owners = ServiceSettings(api_keys=str(keys), host="0.0.0.0").keys()
+    assert set(owners) == {"sk-one", "sk-two"} and len(set(owners.values())) == 2
+    assert all(key not in owner for key, owner in owners.items())  # the database never holds a key
+    monkeypatch.setenv("SPARK_LLM_API_KEYS", "k1,k2")
+    assert set(ServiceSettings().keys()) == {"k1", "k2"}
+    with pytest.raises(ConfigError, match="database-url"):
+        ServiceSettings(storage="s3a://bucket/service").database()
+
+
+def test_uploads_are_checked_as_they_arrive():
+    check = TextCheck(limit=10)
+    check.feed(b'{"a":1}\n')
+    with pytest.raises(APIError, match="larger"):
+        check.feed(b"123")
+    with pytest.raises(APIError, match="binary"):
+        TextCheck(limit=100).feed(b"\x89PNG\x00")
+    blank = TextCheck(limit=100)
+    blank.feed(b" \n\r\n")
+    with pytest.raises(APIError, match="empty"):
+        blank.close()
+    TextCheck(limit=100).feed(b'{"bad": "\xff"}\n')  # not UTF-8: the job's invalid_encoding row, not the door's
+    for bad in ("", "..", "a/b.jsonl", "a\\b", "x\x00", "x\x1b[31m", "n" * 256):
+        with pytest.raises(APIError):
+            check_filename(bad)
+    assert check_filename("夜間 batch (1).jsonl") == "夜間 batch (1).jsonl"
+
+
+def test_shapes_parse_with_openai_python_and_metadata_keeps_its_limits():
+    openai = pytest.importorskip("openai")
+    batch = Batch(id="batch_1", endpoint="/v1/chat/completions", input_file_id="file-1", completion_window="24h",
+                  status="in_progress", created_at=1, request_counts={"total": 3, "completed": 1, "failed": 0},
+                  usage={"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}, metadata={"k": "v"})
+    parsed = openai.types.Batch.model_validate(batch.model_dump())
+    assert parsed.request_counts.completed == 1 and parsed.usage.total_tokens == 7
+    file = FileObject(id="file-1", bytes=3, created_at=1, filename="x.jsonl", purpose="batch")
+    assert openai.types.FileObject.model_validate(file.model_dump()).purpose == "batch"
+    assert APIError.not_found("batch", "b").body()["error"]["message"] == "No batch found with id 'b'."
+    BatchCreate(input_file_id="f", endpoint="e", completion_window="24h", metadata={f"k{i}": "v" for i in range(16)})
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        with pytest.raises(ValueError):
+            BatchCreate(input_file_id="f", endpoint="e", completion_window="24h", metadata=metadata)
