@@ -28,6 +28,12 @@ def _ended_at(status: str, now: int) -> dict[str, int]:
             "cancelled": {"cancelling_at": now, "cancelled_at": now}}[status]
 
 
+def failure_reason(exc: BaseException) -> "BatchError":
+    """The ``errors.data`` entry of a batch that ``exc`` stopped."""
+    code = next((c for t, c in BATCH_FAILURE_CODES.items() if isinstance(exc, t)), "batch_failed")
+    return BatchError(code=code, message=describe_exception(exc))
+
+
 def stopped_status(exc: BaseException) -> Optional[str]:
     """The status of a batch whose run ``exc`` stopped on purpose: ``cancelled`` (Ctrl-C, SIGTERM, a cancel) or
     ``expired``; None for a failure."""
@@ -139,9 +145,7 @@ class BatchObject(BaseModel):
         now = int(time.time())
         status = stopped_status(exc)
         if status is None:
-            code = next((c for t, c in BATCH_FAILURE_CODES.items() if isinstance(exc, t)), "batch_failed")
-            status, errors = "failed", BatchErrors(data=[BatchError(code=code, message=describe_exception(exc))],
-                                                   total=1)
+            status, errors = "failed", BatchErrors(data=[failure_reason(exc)], total=1)
         else:
             errors = BatchErrors()
         return cls(**cls._common(run), status=status, endpoint="", **_ended_at(status, now), errors=errors,

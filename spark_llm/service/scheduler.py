@@ -14,10 +14,10 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..batch import BatchResult
+from ..batch import BatchErrors, BatchResult, failure_reason
 from ..config import BatchConfig, ConfigError
 from ..context import RunListener, cancel_batch_jobs
 from ..errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
@@ -222,11 +222,9 @@ class Scheduler:
         self._record(batch, result)
 
     def _fail(self, batch: BatchRecord, exc: BaseException) -> None:
-        code = "invalid_config" if isinstance(exc, ConfigError) else (
-            "engine_start_failed" if isinstance(exc, EngineStartError) else "batch_failed")
         log.error("batch %s: failed: %s", batch.id, describe_exception(exc))
-        self.store.move(batch.id, Status.FAILED, errors={"object": "list", "data": [
-            {"code": code, "message": describe_exception(exc), "param": None, "line": None}]})
+        errors = BatchErrors(data=[failure_reason(exc)], total=1)
+        self.store.move(batch.id, Status.FAILED, errors=errors.model_dump(exclude_none=True))
 
     def _record(self, batch: BatchRecord, result: BatchResult) -> None:
         """The run's batch object into the store: counts, usage, the output and error files, the final status."""
