@@ -4,81 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import signal
 import sys
-import types
-from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin
+from typing import Any, Optional, Sequence
 
-from .config import GROUPS, BatchConfig, ConfigError, new_batch_id, spark_conf_from_yaml
-
-#: Flags besides the generated ones, for the design's names: flag -> config field.
-ALIASES = {"--batch-size": "max_num_seqs"}
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"quantization\": \"fp8\"}'")
-    return value
-
-
-def _name_value(action: argparse.Action, value: str) -> dict | tuple[str, str]:
-    """A flag's ``NAME=VALUE`` as a pair, or its JSON object as a dict."""
-    if value.lstrip().startswith("{"):
-        return _json_object(value)
-    name, sep, target = value.partition("=")
-    if not (sep and name and target):
-        raise argparse.ArgumentError(action, f"expected {action.metavar} (or a JSON object), got {value!r}")
-    return name, target
-
-
-class _Mapping(argparse.Action):
-    """``NAME=VALUE``, repeatable (as ``vllm serve --lora-modules``), or a JSON object; merged into one dict."""
-
-    def __call__(self, parser: Any, namespace: Any, value: Any, option_string: Any = None) -> None:
-        given = _name_value(self, value)
-        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}),
-                                       **(given if isinstance(given, dict) else dict([given]))})
-
-
-class _ModelEntries(argparse.Action):
-    """``NAME=PATH``, repeatable, or a JSON object ``{name, path, kind, <engine settings>}``: one more model each."""
-
-    def __call__(self, parser: Any, namespace: Any, value: Any, option_string: Any = None) -> None:
-        given = _name_value(self, value)
-        entry = given if isinstance(given, dict) else {"name": given[0], "path": given[1]}
-        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), entry])
-
-
-def _argument_kwargs(annotation: Any) -> dict[str, Any]:
-    """argparse settings for a config field's type (Optional[...] unwrapped)."""
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    if get_origin(annotation) in (Union, types.UnionType):
-        return _argument_kwargs(args[0])
-    if get_origin(annotation) is Literal:
-        return {"type": str, "choices": list(get_args(annotation))}
-    if annotation is bool:
-        return {"action": argparse.BooleanOptionalAction}
-    if get_origin(annotation) is dict and get_args(annotation) == (str, str):
-        return {"action": _Mapping, "metavar": "NAME=VALUE"}
-    if get_origin(annotation) is dict:
-        return {"type": _json_object, "metavar": "JSON"}
-    if get_origin(annotation) is list:
-        return {"action": _ModelEntries, "metavar": "NAME=PATH"}
-    return {"type": annotation}
-
-
-def flag(field: str) -> str:
-    """The field's flag: ``--field-name``, or the one its metadata names."""
-    extra = BatchConfig.model_fields[field].json_schema_extra or {}
-    return extra.get("flag") or "--" + field.replace("_", "-")  # type: ignore[union-attr]
-
+from .config import BatchConfig, ConfigError, new_batch_id, spark_conf_from_yaml
+from .flags import add_run_arguments
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spark-llm", description="Offline LLM batch inference on Spark with vLLM.")
@@ -104,27 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="prompt + generated tokens per second of one engine, for the time estimate (default: "
                            "measured by earlier runs in the output's metrics table, if any)")
     return parser
-
-
-def add_run_arguments(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:
-    """One flag per BatchConfig field (its description is the help), in the config's groups; none for the
-    fields in ``exclude``."""
-    parser.add_argument("--config", help="YAML file with settings (see conf/); flags override it")
-    parser.add_argument("--master", default=None,
-                        help="Spark master when spark-llm starts its own session (default local[2]); ignored "
-                             "under spark-submit or in a notebook, where the active session is used")
-    parser.add_argument("--remote", default=None,
-                        help="run over Spark Connect: a server URL (sc://host:15002, Databricks Connect's too), or "
-                             "local[N] to start a local Connect server with Delta")
-    parser.add_argument("--log-level", default="INFO", help="log level of spark_llm's own loggers")
-    groups = {name: parser.add_argument_group(name) for name in GROUPS}
-    aliases = {field: [a for a, f in ALIASES.items() if f == field] for field in BatchConfig.model_fields}
-    for field, info in BatchConfig.model_fields.items():
-        if field in exclude:
-            continue
-        groups[BatchConfig.group_of(field)].add_argument(
-            flag(field), *aliases[field], dest=field, default=None, help=info.description,
-            **_argument_kwargs(info.annotation))
 
 
 def run_from_args(args: argparse.Namespace) -> int:

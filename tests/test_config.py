@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from spark_llm.cli import add_run_arguments, flag
+from spark_llm.flags import add_run_arguments, flag
 from spark_llm.config import BatchConfig, ConfigError, config_view, spark_conf_from_yaml
 from spark_llm.engine import EngineSpec
 

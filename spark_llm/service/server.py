@@ -13,6 +13,7 @@ import sys
 from typing import Any, AsyncIterator, Optional
 
 from ..config import BatchConfig, ConfigError, spark_conf_from_yaml
+from ..flags import add_run_arguments, argument_kwargs
 from .settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -25,12 +26,10 @@ PER_BATCH = ("input", "output_dir", "batch_id", "overwrite", "resume", "retry_er
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..cli import _argument_kwargs, add_run_arguments
-
     group = parser.add_argument_group("service")
     for name, info in ServiceSettings.model_fields.items():
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=info.description,
-                           **_argument_kwargs(info.annotation))
+                           **argument_kwargs(info.annotation))
     add_run_arguments(parser, exclude=PER_BATCH)
 
 
