@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Optional, Sequence
 
@@ -48,19 +49,30 @@ def _text(x: float, y: float, text: str, anchor: str = "middle", size: int = 11,
             f"{html.escape(text)}</text>")
 
 
-def _frame(name: str, title: str, xlabel: str, ylabel: str, height: int, left: int, body: list[str]) -> str:
-    """An SVG of the plot ``body`` (already placed), with its title and axis labels, named for screen readers."""
+@dataclass(frozen=True)
+class Caption:
+    """What a plot says in words: its name (for screen readers), title and axis labels."""
+
+    name: str
+    title: str
+    xlabel: str
+    ylabel: str = ""
+
+
+def _frame(caption: Caption, height: int, left: int, body: list[str]) -> str:
+    """An SVG of the plot ``body`` (already placed), with its caption."""
     middle = (TOP + height - BOTTOM) / 2
-    return (f'<svg role="img" aria-label="{html.escape(name)}" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" '
-            f'height="{height}" font-family="sans-serif" xmlns="http://www.w3.org/2000/svg">'
-            + _text(WIDTH / 2, 16, title, size=13, font_weight="bold")
-            + _text((left + WIDTH - RIGHT) / 2, height - 6, xlabel)
+    ylabel = caption.ylabel
+    return (f'<svg role="img" aria-label="{html.escape(caption.name)}" viewBox="0 0 {WIDTH} {height}" '
+            f'width="{WIDTH}" height="{height}" font-family="sans-serif" xmlns="http://www.w3.org/2000/svg">'
+            + _text(WIDTH / 2, 16, caption.title, size=13, font_weight="bold")
+            + _text((left + WIDTH - RIGHT) / 2, height - 6, caption.xlabel)
             + (_text(14, middle, ylabel, transform=f"rotate(-90 14 {middle:.1f})") if ylabel else "")
             + "".join(body) + "</svg>")
 
 
-def bar_chart(name: str, labels: Sequence[str], values: Sequence[float], title: str, xlabel: str, ylabel: str,
-              color: str, mean: Optional[float] = None, adjacent: bool = False) -> str:
+def bar_chart(caption: Caption, labels: Sequence[str], values: Sequence[float], color: str,
+              mean: Optional[float] = None, adjacent: bool = False) -> str:
     """Bars of ``values`` over ``labels`` (a histogram's bars touch: ``adjacent``), a y axis from 0 with round
     ticks, and a dashed line at ``mean`` when given."""
     x0, x1, y0, y1 = LEFT, WIDTH - RIGHT, HEIGHT - BOTTOM, TOP
@@ -87,10 +99,10 @@ def bar_chart(name: str, labels: Sequence[str], values: Sequence[float], title: 
         body.append(f'<line x1="{x0}" y1="{y(mean):.1f}" x2="{x1}" y2="{y(mean):.1f}" stroke="#000" '
                     f'stroke-dasharray="5,4"/>')
         body.append(_text(x1 - 2, y(mean) - 4, f"mean {_num(round(mean, 1))}", anchor="end", size=10))
-    return _frame(name, title, xlabel, ylabel, HEIGHT, LEFT, body)
+    return _frame(caption, HEIGHT, LEFT, body)
 
 
-def timeline(name: str, lanes: list[tuple[str, list[tuple[dict, float, float]]]], title: str, xlabel: str) -> str:
+def timeline(caption: Caption, lanes: list[tuple[str, list[tuple[dict, float, float]]]]) -> str:
     """A lane per label (see :func:`engine_lanes`) with each span as a bar from its start to its end, in seconds
     since the earliest start, labelled with its partition."""
     left = 8 + 6 * max([len(label) for label, _ in lanes] + [4])
@@ -115,7 +127,7 @@ def timeline(name: str, lanes: list[tuple[str, list[tuple[dict, float, float]]]]
             inside = x(end) - x(start) >= 8 + 6 * len(str(m["partition"]))  # else after the bar, in the lane
             body.append(_text(x(start) + 3 if inside else x(end) + 2, top + LANE_HEIGHT / 2 + 4,
                               f"p{m['partition']}", anchor="start", size=9, fill="#fff" if inside else "#333"))
-    return _frame(name, title, xlabel, "", height, x0, body)
+    return _frame(caption, height, x0, body)
 
 
 def plots(histogram: list[tuple[int, int]], plan: dict, metrics: list[dict]) -> dict[str, str]:
@@ -123,16 +135,17 @@ def plots(histogram: list[tuple[int, int]], plan: dict, metrics: list[dict]) -> 
     tokens = plan.get("tokens_per_partition") or []
     by_partition = sorted(metrics, key=lambda m: m["partition"])
     return {
-        PLOTS[0]: bar_chart(PLOTS[0], [_num(b) for b, _ in histogram], [n for _, n in histogram], "Prompt length",
-                            "prompt tokens (bucket start)", "requests", "#4c72b0", adjacent=True),
-        PLOTS[1]: bar_chart(PLOTS[1], [str(i) for i in range(len(tokens))], tokens,
-                            f"Balance (max/mean {plan.get('balance_ratio', 1.0)})", "partition", "estimated tokens",
-                            "#55a868", mean=sum(tokens) / len(tokens) if tokens else None),
-        PLOTS[2]: bar_chart(PLOTS[2], [str(m["partition"]) for m in by_partition],
-                            [m["tokens_per_second"] or 0 for m in by_partition], "Engine throughput per partition",
-                            "partition", "tokens / s", "#c44e52"),
-        PLOTS[3]: timeline(PLOTS[3], engine_lanes(metrics), "Timeline of partitions per engine (each feeding task "
-                           "in a lane)", "seconds since the first partition started"),
+        PLOTS[0]: bar_chart(Caption(PLOTS[0], "Prompt length", "prompt tokens (bucket start)", "requests"),
+                            [_num(b) for b, _ in histogram], [n for _, n in histogram], "#4c72b0", adjacent=True),
+        PLOTS[1]: bar_chart(Caption(PLOTS[1], f"Balance (max/mean {plan.get('balance_ratio', 1.0)})", "partition",
+                                    "estimated tokens"),
+                            [str(i) for i in range(len(tokens))], tokens, "#55a868",
+                            mean=sum(tokens) / len(tokens) if tokens else None),
+        PLOTS[2]: bar_chart(Caption(PLOTS[2], "Engine throughput per partition", "partition", "tokens / s"),
+                            [str(m["partition"]) for m in by_partition],
+                            [m["tokens_per_second"] or 0 for m in by_partition], "#c44e52"),
+        PLOTS[3]: timeline(Caption(PLOTS[3], "Timeline of partitions per engine (each feeding task in a lane)",
+                                   "seconds since the first partition started"), engine_lanes(metrics)),
     }
 
 

@@ -103,7 +103,7 @@ def test_partition_records_land_in_the_metrics_table_as_they_were_recorded(spark
 def test_the_report_draws_its_plots_as_inline_svg_with_round_ticks_and_escaped_labels():
     import xml.etree.ElementTree as ET
 
-    from spark_llm.report_html import PLOTS, engine_lanes, plots, ticks, timeline
+    from spark_llm.report_html import PLOTS, Caption, engine_lanes, plots, ticks, timeline
 
     assert ticks(40) == [0, 10, 20, 30, 40] and ticks(7) == [0, 2, 4, 6, 8] and ticks(0) == [0.0, 1.0]
     assert ticks(1234) == [0, 500, 1000, 1500]
@@ -121,4 +121,4 @@ def test_the_report_draws_its_plots_as_inline_svg_with_round_ticks_and_escaped_l
     assert "cpu-1-&lt;0&gt; pid 7" in svgs[PLOTS[3]] and svgs[PLOTS[3]].count("<rect") == 3
     shuffled = plots([], {}, [metrics[2], metrics[0], metrics[1]])[PLOTS[2]]  # records in the order they started
     assert [t.text for t in ET.fromstring(shuffled).iter(f"{ns}title")] == ["0: 10", "1: 20", "2: 30"]
-    assert "<rect" not in timeline("empty", engine_lanes([]), "t", "s")  # no partitions: axes only
+    assert "<rect" not in timeline(Caption("empty", "t", "s"), engine_lanes([]))  # no partitions: axes only

@@ -67,15 +67,15 @@ def unsupported(message: str) -> RequestError:
     return RequestError(ErrorCode.UNSUPPORTED_PARAMETER, message)
 
 
-def number(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False, integer: bool = False,
-           where: str = "body") -> Any:
+def number(body: dict, key: str, lo: float, hi: float, *, lo_open: bool = False, integer: bool = False) -> Any:
+    """``body[key]``, checked: a number (``integer``: an integer) in ``[lo, hi]`` (``lo_open``: ``(lo, hi]``)."""
     v = body[key]
     if integer and not is_int(v):
-        raise invalid(f"{where}.{key} must be an integer, got {json_type(v)}")
+        raise invalid(f"body.{key} must be an integer, got {json_type(v)}")
     if not is_number(v):
-        raise invalid(f"{where}.{key} must be a number, got {json_type(v)}")
+        raise invalid(f"body.{key} must be a number, got {json_type(v)}")
     if v < lo or v > hi or (lo_open and v == lo):
-        raise invalid(f"{where}.{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+        raise invalid(f"body.{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
     return v
 
 
