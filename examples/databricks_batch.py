@@ -10,7 +10,7 @@
 
 # COMMAND ----------
 
-# MAGIC %pip install /Volumes/main/default/wheels/spark_llm-0.1.0-py3-none-any.whl "vllm>=0.10"
+# MAGIC %pip install /Volumes/main/default/wheels/spark_llm-0.1.0-py3-none-any.whl "vllm>=0.17"
 
 # COMMAND ----------
 

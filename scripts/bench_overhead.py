@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--part", choices=["raw", "job"], default=None, help=argparse.SUPPRESS)  # one run, in a child
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from spark_llm.engine import apply_worker_env
+    from spark_llm.engine_host import apply_worker_env
     from spark_llm.session import LOCAL_ENV
 
     apply_worker_env()  # the raw engine runs in this process; the job's local workers inherit the same

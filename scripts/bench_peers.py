@@ -82,7 +82,7 @@ def raw_generate(model: str, input_path: Path, engine: dict, max_tokens: int) ->
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.monotonic() - t0
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
-    from spark_llm.engine import shutdown_engine
+    from spark_llm.engine_host.spec import shutdown_engine
 
     shutdown_engine(llm)
     return wall, tokens
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs of (b) and (c), in turn; medians are reported")
     p.add_argument("--keep", action="store_true", help="keep the work directory (the input, outputs and logs)")
     args = p.parse_args(argv)
-    from spark_llm.engine import apply_worker_env
+    from spark_llm.engine_host import apply_worker_env
     from spark_llm.session import LOCAL_ENV
 
     apply_worker_env()  # every engine below gets the same environment (and so the same CPU KV-cache size)

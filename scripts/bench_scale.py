@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--target-tokens-per-partition", type=int, default=500_000)
     p.add_argument("--hostile-fraction", type=float, default=0.0)
     args = p.parse_args(argv)
-    from spark_llm.engine import apply_worker_env
+    from spark_llm.engine_host import apply_worker_env
     from spark_llm.session import LOCAL_ENV
 
     apply_worker_env()  # the raw engine runs in this process; the job's local workers inherit the same

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import openai
 
-    from spark_llm.engine import apply_worker_env
+    from spark_llm.engine_host import apply_worker_env
     from spark_llm.session import LOCAL_ENV
 
     apply_worker_env()

@@ -37,6 +37,15 @@ def discovery_script(directory: Path, gpus: int) -> Path:
     return script
 
 
+def write_requests(path: Path, requests: int, model: str) -> None:
+    """``requests`` short chat lines (custom_ids r0, r1, ...) for ``model``."""
+    with open(path, "w") as f:
+        for i in range(requests):
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": model, "max_tokens": 2, "temperature": 0,
+                                         "messages": [{"role": "user", "content": f"question {i}"}]}}) + "\n")
+
+
 def concurrency(spans: list[tuple[float, float]]) -> int:
     """Most spans open at one moment."""
     events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
@@ -83,7 +92,7 @@ def main(argv=None) -> int:
     import pyspark
 
     from spark_llm import BatchConfig, run_batch
-    from spark_llm.engine_service import ENGINE_DIR_ENV, read_events
+    from spark_llm.engine_host import ENGINE_DIR_ENV, read_events
     from spark_llm.faults import FAULT_ENV
     from spark_llm.session import get_session
 
@@ -94,12 +103,7 @@ def main(argv=None) -> int:
     os.environ[ENGINE_DIR_ENV] = str(engines)
     os.environ.setdefault("SPARK_HOME", os.path.dirname(pyspark.__file__))  # local-cluster launches executors
     script = discovery_script(out, args.gpus)
-    name = Path(args.model).name
-    with open(out / "in.jsonl", "w") as f:
-        for i in range(args.requests):
-            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                                "body": {"model": name, "max_tokens": 2, "temperature": 0,
-                                         "messages": [{"role": "user", "content": f"question {i}"}]}}) + "\n")
+    write_requests(out / "in.jsonl", args.requests, Path(args.model).name)
     conf = {
         "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
         f"spark.executorEnv.{ENGINE_DIR_ENV}": str(engines),

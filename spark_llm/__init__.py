@@ -14,7 +14,7 @@ from .config import BatchConfig, ConfigError
 from .errors import EngineStartError, ErrorCode
 
 __all__ = ["BatchConfig", "BatchPlan", "BatchResult", "ConfigError", "EngineStartError", "ErrorCode", "plan_batch",
-           "run_batch"]
+           "run_batch", "stop_engines"]
 __version__ = "0.1.0"
 
 
@@ -34,6 +34,21 @@ def plan_batch(spark, config, tokens_per_second=None):  # noqa: D103 - documente
 
 
 plan_batch.__doc__ = "Dry run of one batch (no engine, nothing written); see spark_llm.plan.plan_batch."
+
+
+def stop_engines(spark=None) -> list:
+    """Stop the engines that hold this host's GPUs (they otherwise stay for ``engine_idle_timeout_seconds`` after
+    their last request) and, given a classic session on a cluster, those of the executors its tasks reach (one task
+    per core of the cluster: best effort, an executor that runs none keeps its engines). The slots stopped."""
+    from .engine_host import stop_engines_here
+
+    stopped = stop_engines_here()
+    if spark is not None and type(spark).__module__.startswith("pyspark.sql.session") and \
+            not spark.sparkContext.master.startswith("local"):
+        sc = spark.sparkContext
+        tasks = sc.defaultParallelism
+        stopped += sc.parallelize(range(tasks), tasks).mapPartitions(lambda _: stop_engines_here()).collect()
+    return stopped
 
 
 def __getattr__(name):

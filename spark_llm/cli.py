@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "base_url at it). Every batch runs on this server's Spark session and engines "
                                        "with the model, engine and Spark settings given here.")
     add_serve_arguments(serve)
+    engines = sub.add_parser("engines", help="this host's engine processes: list them, or stop them to free the GPUs",
+                             description="The engines of this host's engine directory (SPARK_LLM_ENGINE_DIR). An "
+                                         "engine stays for engine_idle_timeout_seconds after its last request; stop "
+                                         "frees its GPUs now. In a notebook: spark_llm.stop_engines(spark).")
+    engines.add_argument("action", choices=["list", "stop"])
     plan.add_argument("--tokens-per-second", type=float, default=None,
                       help="prompt + generated tokens per second of one engine, for the time estimate (default: "
                            "measured by earlier runs in the output's metrics table, if any)")
@@ -137,8 +142,23 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def engines_from_args(args: argparse.Namespace) -> int:
+    """``spark-llm engines list|stop``: one line per engine of this host."""
+    from .engine_host import engines_here, stop_engine
+
+    for slot, info in engines_here():
+        state = "ready" if info.get("authkey") else "starting"
+        if args.action == "stop":
+            stop_engine(slot, info)
+            state = "stopped"
+        print(f"{slot.name}\tpid {info['pid']}\t{state}\tdevices {','.join(slot.devices) or '-'}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "engines":
+        return engines_from_args(args)
     if args.command == "serve":
         from .service.server import serve_from_args
 

@@ -38,7 +38,7 @@ def group(name: str) -> dict[str, Any]:
 def engine(name: str, vllm: Optional[str] = "") -> dict[str, Any]:
     """Field metadata of an engine setting: changing it means building a new engine. It is passed to ``vllm.LLM``
     under its own name, or under ``vllm`` (``a.b``: key ``b`` of the dict argument ``a``); ``vllm=None``: the engine
-    process uses it itself (see :class:`~spark_llm.engine.EngineSpec`)."""
+    process uses it itself (see :class:`~spark_llm.engine_host.EngineSpec`)."""
     return {**group(name), "engine": True, "vllm": vllm}
 
 
@@ -191,10 +191,14 @@ class BatchConfig(BaseModel):
         "Lower it to fit more concurrent sequences in memory; requests that do not fit become "
         "context_length_exceeded errors. Default: the model's max_position_embeddings. Env: MAX_MODEL_LEN.",
         json_schema_extra=engine("model and engine"))
-    max_num_seqs: int = Field(
-        256, ge=1, description="Engine batch size: sequences vLLM decodes concurrently. Higher saturates the GPU "
+    max_num_seqs: Optional[int] = Field(
+        None, ge=1, description="Engine batch size: sequences vLLM decodes concurrently. Higher saturates the GPU "
         "better but needs KV-cache memory for each; vLLM's continuous batching refills slots as sequences finish. "
-        "Env: BATCH_SIZE.",
+        "Default: vLLM's offline default for the GPU (1024 on H100/H200 and larger, 256 on others). Env: BATCH_SIZE.",
+        json_schema_extra=engine("model and engine"))
+    max_num_batched_tokens: Optional[int] = Field(
+        None, ge=1, description="Tokens the engine processes in one step (prefill chunks and decodes together). "
+        "Default: vLLM's offline default for the GPU (16384 on H100/H200 and larger, 8192 on others).",
         json_schema_extra=engine("model and engine"))
     dtype: str = Field("auto", description="Weight/activation dtype passed to vLLM (auto, bfloat16, float16, "
                        "float32). auto uses the model's own dtype.",
@@ -264,6 +268,11 @@ class BatchConfig(BaseModel):
         600.0, ge=0, description="An engine process (one per GPU or tensor-parallel group of an executor, kept "
         "between tasks and batches) stops after this long without requests, freeing its GPUs; the next batch loads "
         "it again. 0 keeps it for the executor's whole life.",
+        json_schema_extra=group("model and engine"))
+    engine_call_timeout_seconds: float = Field(
+        600.0, gt=0, description="Seconds a task waits for any word from its engine during a call (a stepping engine "
+        "sends one every few seconds; an embedding engine answers whole calls): after that the engine counts as "
+        "hung, is stopped and rebuilt, and the requests it held are retried as after an engine death.",
         json_schema_extra=group("model and engine"))
     engine_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING", description="vLLM's log level in the engine processes (VLLM_LOGGING_LEVEL), whose logs go to "

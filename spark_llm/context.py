@@ -17,8 +17,9 @@ from pyspark.sql import SparkSession
 
 from . import storage
 from .config import BatchConfig
-from .engine import EngineLayout, config_layout, inference_profile, resolve, resolve_models
+from .engine_host.placement import EngineLayout, config_layout, inference_profile
 from .metrics import ListParam
+from .models import resolve, resolve_models
 from .session import default_parallelism, is_connect, local_task_threads, spark_conf
 
 

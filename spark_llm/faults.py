@@ -64,7 +64,7 @@ def before_engine_call(custom_ids: Collection[str]) -> None:
             os._exit(137)
     for args in _faults("kill_executor_once"):
         if len(args) > 1 and args[1] in custom_ids and _first_time(args[0]):
-            from .engine_service import executor_pid
+            from .engine_host.directory import executor_pid
 
             log.error("fault injection: killing executor JVM %d with %r in flight", executor_pid(), args[1])
             os.kill(executor_pid(), signal.SIGKILL)

@@ -1,31 +1,32 @@
 """Inference over whole partitions with the engine of the task's GPUs.
 
-One ``mapInPandas`` task hands its entire partition to its slot's engine (:mod:`~spark_llm.engine_service`) in one
+One ``mapInPandas`` task hands its entire partition to its slot's engine (:mod:`~spark_llm.engine_host`) in one
 streamed call, beside the slot's other feeder (``tasks_per_engine``), so vLLM's continuous batching keeps the device
 busy; each row's endpoint module (:mod:`~spark_llm.endpoints`)
 turns its outputs into the OpenAI response body. A request the engine rejects becomes that request's
 ``engine_error`` row (the failing batch is bisected to find it). A request that kills the engine is found and set
-aside by :mod:`~spark_llm.quarantine` (the engine is rebuilt in place; a dead worker's task is retried by Spark and
+aside by :mod:`~spark_llm.engine_host.isolation` (the engine is rebuilt in place; a dead worker's task is retried by Spark and
 its next attempt reads the partition's journal), so it becomes one ``engine_error`` row and the rest completes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 from . import faults
-from .engine import EngineSpec, task_gpus
 from .endpoints import BY_KIND, Reply
-from .engine_service import (EngineClient, EngineDied, EngineGone, ProcessSettings, RequestFailure, Slot,
-                             engine_for, prestart)
+from .engine_host import (EngineClient, EngineDied, EngineGone, EngineSpec, ProcessSettings, RequestFailure,
+                          TaskPlace, engine_for, prestart)
+from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
+from .engine_host.placement import task_gpus
 from .errors import ErrorCode, truncate
-from .quarantine import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .schemas import RESULT_FIELDS
 
 log = logging.getLogger(__name__)
@@ -43,11 +44,9 @@ class InferContext:
     run_id: str = ""               #: the run (an engine that cannot start is not tried again within it)
     #: planned partitions of the run before this model's (a batch of several models numbers them across its models)
     partition_offset: int = 0
-    #: engines of the executor without GPUs, where Spark's scheduling does not bound them (local masters:
-    #: num_task_slots engines share the cores); None: one per running task
-    cpu_slots: Optional[int] = None
-    #: tasks that feed one engine at once (see engine.EngineLayout)
-    feeds: int = 1
+    #: where the inference tasks feed engines (:attr:`~spark_llm.engine_host.placement.EngineLayout.place`); the
+    #: task adds the GPUs Spark gives it
+    place: TaskPlace = TaskPlace()
 
     def partition(self, pdf: Any) -> int:
         """The run's number of the partition ``pdf`` (its planned partition, after the earlier models')."""
@@ -55,38 +54,6 @@ class InferContext:
 
 
 # ---- the partition function ------------------------------------------------------------------------------------
-
-def is_fatal(exc: BaseException) -> bool:
-    """The engine is dead (vLLM's ``EngineDeadError``): no request can be answered by it any more."""
-    try:
-        from vllm.v1.engine.exceptions import EngineDeadError
-    except ImportError:  # pragma: no cover - other vLLM layouts
-        return False
-    return isinstance(exc, EngineDeadError)
-
-
-def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence, params: Sequence,
-                       is_fatal: Callable[[BaseException], bool] = is_fatal) -> list:
-    """Run ``generate`` on all requests at once; if it raises a non-fatal error, bisect to find the request(s)
-    responsible. Returns, per request, either its output or the exception it caused."""
-    if not prompts:
-        return []
-    try:
-        outs = list(generate(list(prompts), list(params)))
-        if len(outs) != len(prompts):
-            raise RuntimeError(f"engine returned {len(outs)} outputs for {len(prompts)} requests")
-        return outs
-    except Exception as exc:
-        if is_fatal(exc):
-            raise
-        if len(prompts) == 1:
-            return [exc]
-        mid = len(prompts) // 2
-        log.warning("engine call over %d requests failed (%s); isolating the failing request(s)", len(prompts),
-                    type(exc).__name__)
-        return (generate_isolating(generate, prompts[:mid], params[:mid], is_fatal)
-                + generate_isolating(generate, prompts[mid:], params[mid:], is_fatal))
-
 
 def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     """mapInPandas body: every request of the partition in one streamed engine call, each row answered as soon as
@@ -110,7 +77,8 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
                                                   options[i]))
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
     journal = Journal.open(ctx.journal, ctx.partition(pdf))
-    with engine_for(ctx.engine, gpus, ctx.process, ctx.run_id, ctx.cpu_slots, ctx.feeds) as engine:
+    place = dataclasses.replace(ctx.place, gpus=tuple(gpus)) if gpus else ctx.place
+    with engine_for(ctx.engine, ctx.process, place, ctx.run_id) as engine:
         t0, engine_started = time.monotonic(), time.time()
         guarded = generate_guarded(engine, requests, owner, pdf, journal, answer)
         engine_s = time.monotonic() - t0 - engine.rebuild_seconds
@@ -151,8 +119,8 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
     """All requests of the partition through the engine, in one streamed call unless deaths are on record;
     ``on_row(i, outputs)`` as soon as every request of row ``i`` has its result. A call during which the engine
     dies is recorded as a death, the engine rebuilt, and the rows not answered yet replanned
-    (:func:`~spark_llm.quarantine.isolation_plan`). While deaths are on record the partition runs alone on the
-    engine (:meth:`~spark_llm.engine_service.EngineClient.alone`): a death during its calls is then its own, never
+    (:func:`~spark_llm.engine_host.isolation.isolation_plan`). While deaths are on record the partition runs alone on the
+    engine (:meth:`~spark_llm.engine_host.EngineClient.alone`): a death during its calls is then its own, never
     a request of the slot's other feeder."""
     ids = [str(x) for x in pdf["id"]]
     row_of = {rid: i for i, rid in enumerate(ids)}
@@ -219,18 +187,19 @@ def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     import pandas as pd
 
     for _ in batches:
-        with engine_for(ctx.engine, task_gpus(ctx.engine.tensor_parallel_size), ctx.process, ctx.run_id) as engine:
+        gpus = task_gpus(ctx.engine.tensor_parallel_size)
+        with engine_for(ctx.engine, ctx.process, TaskPlace(gpus=tuple(gpus) if gpus else None), ctx.run_id) as engine:
             yield pd.DataFrame({"slot": [engine.slot.name], "started": [engine.started_here]})
 
 
 def prestart_partition(batches: Iterator, ctx: InferContext) -> Iterator:
-    """mapInPandas body of the warm-up job on local masters: task ``n`` starts CPU slot ``n``'s engine loading and
+    """mapInPandas body of the warm-up job on local masters: task ``n`` starts local slot ``n``'s engine loading and
     returns at once (the inference tasks wait for it); one row per task: the slot and whether it was started."""
     import pandas as pd
     from pyspark import TaskContext
 
     for _ in batches:
-        slot = Slot.cpu(TaskContext.get().partitionId())
+        slot = ctx.place.local_slots()[TaskContext.get().partitionId()]
         yield pd.DataFrame({"slot": [slot.name], "started": [prestart(ctx.engine, ctx.process, slot)]})
 
 

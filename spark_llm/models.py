@@ -4,7 +4,7 @@
 
 - a **local directory** every executor can read (a shared mount, ``/Volumes/...``, ``/dbfs/...``): used as it is;
 - a **URI** (``s3a://``, ``s3://``, ``abfss://``, ``gs://``, ``hdfs://``, ``dbfs:/``, ``file:/``): copied once per host
-  to local disk, opened with pyarrow's filesystems (:func:`~spark_llm.storage.python_filesystem`; S3 and GCS take
+  to local disk, opened with pyarrow's filesystems (:func:`~spark_llm.filesystems.python_filesystem`; S3 and GCS take
   their credentials from the environment or the instance profile, not from Hadoop's settings);
 - a **Hugging Face repo id** (``org/name``): downloaded once per host, when the hub is reachable; when it is not, one
   clear error says what to set instead.
@@ -14,13 +14,15 @@
 into a temporary directory renamed into place when complete: a half-copied model is never used. The driver and the
 token-counting tasks need only the small files (config, tokenizer, chat template), so they ask for a copy without the
 weights; the engine process asks for the whole model.
+
+What the model directory says (its context length, whether it generates or embeds, its adapters' ranks) fills in
+the settings a run does not give (:func:`resolve`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
@@ -31,7 +33,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from .config import ConfigError
+from .config import BatchConfig, ConfigError
+from .host import locked
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def local_copy(model: str, weights: bool = True) -> str:
     target = full if weights else cache_dir() / f"{name}-meta"
     if target.is_dir():
         return str(target)
-    with _locked(cache_dir() / f"{target.name}.lock"):
+    with locked(cache_dir() / f"{target.name}.lock"):
         if target.is_dir():  # another task of this host made it while we waited
             return str(target)
         for stale in cache_dir().glob(f"{target.name}.partial-*"):  # a copier that died half way
@@ -92,20 +95,10 @@ def local_copy(model: str, weights: bool = True) -> str:
     return str(target)
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def _copy_uri(uri: str, dest: Path, weights: bool) -> None:
     from pyarrow import fs
 
-    from .storage import python_filesystem
+    from .filesystems import python_filesystem
 
     try:
         filesystem, root = python_filesystem(uri)
@@ -158,3 +151,74 @@ def _download_hub(repo: str, dest: Path, weights: bool) -> None:
             f"model {repo!r} is neither a local directory nor downloadable from the Hugging Face hub on this host "
             f"({reason}). Download it once (huggingface-cli download {repo} --local-dir DIR) to storage every "
             f"executor reads and give --model that directory or its URI (s3a://, abfss://, gs://, dbfs:/, /Volumes)")
+
+
+# ---- what a model directory says ----------------------------------------------------------------------------
+
+def resolve(config: BatchConfig) -> BatchConfig:
+    """``config`` with what the model directory says filled in (its context length and runner), for a run."""
+    # the model's small files (config, tokenizer) on this host: the model itself where it is local, else a copy
+    model = local_copy(config.model, weights=False) if config.model else ""
+    return config.resolved(max_model_len=config.max_model_len or model_context_length(model),
+                           runner=model_runner(model))
+
+
+def resolve_models(cfg: BatchConfig) -> tuple[BatchConfig, ...]:
+    """Every model of the resolved ``cfg`` as a resolved config of its own (the main model, ``cfg`` itself, first),
+    sharing its batch_id."""
+    resolved = [cfg]
+    for extra in cfg.per_model()[1:]:
+        try:
+            resolved.append(resolve(extra))
+        except ConfigError as exc:  # say which model, and where its settings go
+            reason = str(exc).replace("--max-model-len / MAX_MODEL_LEN", "its max_model_len")
+            raise ConfigError(f"models: {extra.served_model_name!r}: {reason}") from None
+    return tuple(resolved)
+
+
+#: Architecture name endings of generative models; anything else (BertModel, XLMRobertaModel ...) is an encoder.
+_GENERATIVE = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+
+
+def model_runner(model: str) -> str:
+    """``pooling`` for a sentence-transformers directory or an encoder architecture, else ``generate``."""
+    path = Path(model or "")
+    if (path / "modules.json").exists() or (path / "config_sentence_transformers.json").exists():
+        return "pooling"
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return "generate"
+    return "pooling" if archs and not any(a.endswith(_GENERATIVE) for a in archs) else "generate"
+
+
+def check_adapters(lora_modules: dict[str, str], max_lora_rank: int) -> None:
+    """Every LoRA adapter directory exists (local paths; other filesystems are read by the engine) and fits
+    max_lora_rank; else the batch stops here, before any work, with one message."""
+    for name, path in sorted(lora_modules.items()):
+        if "://" in path:
+            continue
+        config_file = Path(path) / "adapter_config.json"
+        try:
+            rank = int(json.loads(config_file.read_text()).get("r") or 0)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"LoRA adapter {name!r}: cannot read {config_file} ({type(exc).__name__}); give "
+                              f"--lora-modules {name}=<adapter directory readable on every executor>") from None
+        if rank > max_lora_rank:
+            raise ConfigError(f"LoRA adapter {name!r} has rank {rank}, over max_lora_rank {max_lora_rank}; raise "
+                              f"--max-lora-rank to at least {rank}")
+
+
+def model_context_length(model: str) -> int:
+    """The model's context length, read from its ``config.json`` (max_position_embeddings or the like)."""
+    config_file = Path(model or "") / "config.json"
+    try:
+        model_conf = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {config_file} to find the model's context length ({exc}); set "
+                          f"--max-model-len / MAX_MODEL_LEN") from None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = model_conf.get(key) or (model_conf.get("text_config") or {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ConfigError(f"{config_file} does not state a context length; set --max-model-len / MAX_MODEL_LEN")

@@ -87,11 +87,31 @@ class PartitionPlan:
                 "balance_ratio": round(self.balance_ratio, 4)}
 
 
-def plan_settings(cfg: Any, layout: Any) -> dict[str, int]:
+#: The engine batch the planner assumes where ``max_num_seqs`` is left to vLLM: its smallest default on GPUs of
+#: 40 GB and more and on CPUs (H100/H200 get 1024), so "every request runs at once" is never claimed wrongly.
+DEFAULT_ENGINE_BATCH = 256
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    """What a partition plan aims at: ``target_tokens`` estimated tokens a partition, for ``slots`` inference tasks
+    at once that feed ``engines`` engines of up to ``engine_batch`` requests each at once (:func:`num_partitions`)."""
+
+    target_tokens: int
+    slots: int
+    engines: int = 0
+    engine_batch: int = 0
+
+    def partitions(self, total_tokens: int, requests: int = 0) -> int:
+        return num_partitions(total_tokens, self.target_tokens, self.slots, requests=requests, engines=self.engines,
+                              engine_batch=self.engine_batch)
+
+
+def plan_settings(cfg: Any, layout: Any) -> PlanTarget:
     """What the planners take from a model's settings (a :class:`~spark_llm.config.BatchConfig`) and its
-    :class:`~spark_llm.engine.EngineLayout`, for the run's waves and ``spark-llm plan`` alike."""
-    return dict(target_tokens=cfg.target_tokens_per_partition, slots=layout.tasks, engines=layout.engines,
-                engine_batch=cfg.max_num_seqs or 0)
+    :class:`~spark_llm.engine_host.placement.EngineLayout`, for the run's waves and ``spark-llm plan`` alike."""
+    return PlanTarget(target_tokens=cfg.target_tokens_per_partition, slots=layout.tasks, engines=layout.engines,
+                      engine_batch=cfg.max_num_seqs or DEFAULT_ENGINE_BATCH)
 
 
 def num_partitions(total_tokens: int, target_tokens: int, slots: int, *, requests: int = 0, engines: int = 0,
@@ -188,11 +208,10 @@ def slot_keys(parts: int) -> tuple[int, ...]:
     return tuple(keys[slot] for slot in range(parts))
 
 
-def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col: str = "id",
-                    prefix_aware: bool = True, engines: int = 0, engine_batch: int = 0) -> PartitionPlan:
-    """Plan partitions of the valid requests ``df`` (with ``est_tokens``) for ``slots`` inference tasks at once
-    (feeding ``engines`` engines that run up to ``engine_batch`` requests each at once: see :func:`num_partitions`)
-    so that estimated tokens are balanced:
+def plan_partitions(df: DataFrame, target: PlanTarget, *, order_col: str = "id",
+                    prefix_aware: bool = True) -> PartitionPlan:
+    """Plan partitions of the valid requests ``df`` (with ``est_tokens``) for ``target`` so that estimated tokens
+    are balanced:
     consecutive ranges of the cumulative estimated cost, in the order of ``order_col`` (unique, never null). With
     ``prefix_aware`` (and a :data:`PREFIX_COL` column) the order is by :func:`prefix_key` first, so an adapter's
     requests and requests sharing a prefix are consecutive and land in one partition (two when they straddle a
@@ -211,8 +230,7 @@ def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col:
     try:
         sums, requests = _partition_sums(line)
         total = sum(sums.values())
-        parts = num_partitions(total, target_tokens, slots, requests=requests, engines=engines,
-                               engine_batch=engine_batch)
+        parts = target.partitions(total, requests)
         offsets, running = {}, 0
         for pid in sorted(sums):
             offsets[pid] = running
@@ -226,11 +244,11 @@ def plan_partitions(df: DataFrame, *, target_tokens: int, slots: int, order_col:
             .collect()  # a row per shuffle partition and planned partition: metadata
     finally:
         line.unpersist()
-    return _plan(segments, order, parts, total, target_tokens=target_tokens, slots=slots, engines=engines)
+    return _plan(segments, order, parts, total, target)
 
 
-def plan_in_process(table: Any, *, target_tokens: int, slots: int, order_col: str = "id", prefix_aware: bool = True,
-                    engines: int = 0, engine_batch: int = 0) -> PartitionPlan:
+def plan_in_process(table: Any, target: PlanTarget, *, order_col: str = "id",
+                    prefix_aware: bool = True) -> PartitionPlan:
     """:func:`plan_partitions` of requests whose plan columns this process holds (an Arrow table with
     ``est_tokens``, the order columns and, if prefix-aware, :data:`PREFIX_COL`: a small input prepared in the
     driver, whose lines passed through it anyway): the same cost line, cut the same way, without a Spark job."""
@@ -242,11 +260,10 @@ def plan_in_process(table: Any, *, target_tokens: int, slots: int, order_col: st
                      "est_tokens": table["est_tokens"].cast(pa.int64())})
     line = line.sort_by([(c, "ascending") for c in order])
     total = int(pc.sum(line["est_tokens"]).as_py() or 0)
-    parts = num_partitions(total, target_tokens, slots, requests=line.num_rows, engines=engines,
-                           engine_batch=engine_batch)
+    parts = target.partitions(total, line.num_rows)
     segments = [row for batch in _segments(line.to_batches(), order, 0, max(total / parts, 1.0), parts, 0)
                 for row in batch.to_pylist()]
-    return _plan(segments, order, parts, total, target_tokens=target_tokens, slots=slots, engines=engines)
+    return _plan(segments, order, parts, total, target)
 
 
 def _plan_order(columns: Sequence[str], order_col: str, prefix_aware: bool) -> tuple[str, ...]:
@@ -256,11 +273,12 @@ def _plan_order(columns: Sequence[str], order_col: str, prefix_aware: bool) -> t
     return (PREFIX_COL, order_col) if prefix_aware and PREFIX_COL in columns else (order_col,)
 
 
-def _plan(segments: Sequence[Any], order: tuple[str, ...], parts: int, total: int, *, target_tokens: int,
-          slots: int, engines: int) -> PartitionPlan:
+def _plan(segments: Sequence[Any], order: tuple[str, ...], parts: int, total: int,
+          target: PlanTarget) -> PartitionPlan:
     """The plan from the cost line's segments (rows of :func:`_segments`)."""
-    plan = PartitionPlan(num_partitions=parts, task_slots=slots, engines=engines, total_estimated_tokens=total,
-                         target_tokens_per_partition=target_tokens, order=order,
+    slots = target.slots
+    plan = PartitionPlan(num_partitions=parts, task_slots=slots, engines=target.engines, total_estimated_tokens=total,
+                         target_tokens_per_partition=target.target_tokens, order=order,
                          tokens_per_partition=[0] * parts, requests_per_partition=[0] * parts,
                          starts=[None] * parts)
     first: dict[int, tuple] = {}
@@ -322,5 +340,5 @@ def materialize(df: DataFrame, plan: PartitionPlan, first: int, count: int) -> D
 def balance(df: DataFrame, *, target_tokens: int, slots: int,
             order_col: str = "id") -> tuple[DataFrame, PartitionPlan]:
     """All planned partitions at once: :func:`plan_partitions` then :func:`materialize`."""
-    plan = plan_partitions(df, target_tokens=target_tokens, slots=slots, order_col=order_col)
+    plan = plan_partitions(df, PlanTarget(target_tokens, slots), order_col=order_col)
     return materialize(df, plan, 0, plan.num_partitions), plan

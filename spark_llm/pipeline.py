@@ -24,9 +24,10 @@ from . import write
 from .batch import BatchResult
 from .config import BatchConfig
 from .context import RunContext, RunListener
-from .engine import check_adapters, check_gpu_settings
+from .engine_host.isolation import retry_budget_warning
+from .engine_host.placement import check_gpu_settings
+from .models import check_adapters
 from .prepare import Outcomes, check_size, count_outcomes, prepared
-from .quarantine import retry_budget_warning
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta, spark_conf
 from .waves import EngineWarmup, Inferred, infer_models

@@ -22,8 +22,9 @@ from pyspark.sql import functions as F
 from . import storage
 from .config import BatchConfig, ConfigError
 from .context import RunPaths
-from .engine import EngineLayout, check_adapters, config_layout, resolve, resolve_models
-from .partition import num_partitions, plan_settings
+from .engine_host.placement import EngineLayout, config_layout
+from .models import check_adapters, resolve, resolve_models
+from .partition import plan_settings
 from .prepare import prepare
 from .session import default_parallelism, local_parallelism, local_session_conf, local_task_threads, spark_conf
 
@@ -176,7 +177,7 @@ def _plan(groups: list[Group], models: tuple[BatchConfig, ...], layout: Callable
         g = valid.get(model.served_model_name)
         if g is not None:
             model_layout = layout(model)
-            parts = num_partitions(g.est_tokens, requests=g.rows, **plan_settings(model, model_layout))
+            parts = plan_settings(model, model_layout).partitions(g.est_tokens, g.rows)
             partitions += parts
             waves += math.ceil(parts / (model.wave_partitions or 2 * model_layout.tasks))
     return BatchPlan(lines=requests + sum(errors.values()), requests=requests, errors_by_code=errors,

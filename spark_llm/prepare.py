@@ -81,7 +81,7 @@ class Prepared:
 def prepare(spark: SparkSession, models: Sequence[BatchConfig]) -> DataFrame:
     """Every non-blank input line as one row: a request with its prompt token ids and the model it runs on, or an
     error. ``models``: the batch's models as resolved configs, the main one first
-    (:func:`~spark_llm.engine.resolve_models`); the ids depend on their batch_id."""
+    (:func:`~spark_llm.models.resolve_models`); the ids depend on their batch_id."""
     return prepared(spark, models).rows
 
 
@@ -131,7 +131,7 @@ def preload_tokenizers(config: BatchConfig) -> bool:
     fails the prepare stage's own load, with its message."""
     import threading
 
-    from .engine import resolve, resolve_models
+    from .models import resolve, resolve_models
     from .tokens import get_tokenizer
 
     if not _small_local_input(config):

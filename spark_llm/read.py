@@ -19,6 +19,7 @@ from pyspark.sql import functions as F
 
 from . import storage
 from .config import ConfigError
+from .filesystems import python_filesystem
 from .schemas import json_string
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def _stream_file_lines(batches: Iterator, max_line_bytes: int, keep: int) -> Ite
 
 def _chunks(uri: str, size: int = 8 << 20) -> Iterator[bytes]:
     """The bytes of a file Spark names (``_metadata.file_path``: a ``file:`` URI is URI-quoted)."""
-    filesystem, path = storage.python_filesystem(local_path(uri) if uri.startswith("file:") else uri)
+    filesystem, path = python_filesystem(local_path(uri) if uri.startswith("file:") else uri)
     with filesystem.open_input_stream(path) as f:
         while chunk := f.read(size):
             yield chunk

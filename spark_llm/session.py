@@ -16,9 +16,9 @@ from typing import Iterator, Mapping, Optional
 
 from pyspark.sql import SparkSession
 
-from .engine import apply_worker_env
-from .engine_service import LOCAL_EXECUTOR_ENV, process_alive
-from .quarantine import RECOMMENDED_TASK_ATTEMPTS
+from .engine_host import LOCAL_EXECUTOR_ENV, apply_worker_env
+from .engine_host.isolation import RECOMMENDED_TASK_ATTEMPTS
+from .host import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     else:
         builder = SparkSession.builder.appName(app_name).master(with_task_retries(master or "local[2]"))
     only_delta = not {"spark.jars", "spark.jars.packages"} & set(settings)  # no jars of the caller's own
-    recorded = _recorded_delta_jars() if only_delta else None
+    recorded = recorded_delta_jars() if only_delta else None
     if recorded:
         settings["spark.jars"] = recorded
     settings["spark.driver.extraJavaOptions"] = local_java_options(settings)
@@ -132,7 +132,7 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
 
 def set_local_environment() -> None:
     """This process's environment for a local session it is about to start (its JVM and Python workers inherit it):
-    the engines' (:func:`~spark_llm.engine.apply_worker_env`) and :data:`LOCAL_ENV`, where not set."""
+    the engines' (:func:`~spark_llm.engine_host.apply_worker_env`) and :data:`LOCAL_ENV`, where not set."""
     apply_worker_env()
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
@@ -264,7 +264,7 @@ def _tidy_class_archives(cache: Path, in_use: Path) -> None:
             stale.unlink()
 
 
-def _recorded_delta_jars() -> Optional[str]:
+def recorded_delta_jars() -> Optional[str]:
     """The Delta jars a local session resolved before (``spark.jars``), while every one is still on disk: Ivy's
     resolution of ``spark.jars.packages`` costs every session start seconds, even with every jar in its cache."""
     try:

@@ -2,7 +2,7 @@
 
 Files: with a classic session they go through Hadoop ``FileSystem`` streams in the driver's JVM (``file:/``,
 ``hdfs://``, ``s3a://``, ``abfss://``, ``dbfs:/`` ...); a Spark Connect session has no JVM in this process, so there
-each file operation is a one-task Spark job whose Python worker uses pyarrow's filesystems (:func:`python_filesystem`)
+each file operation is a one-task Spark job whose Python worker uses pyarrow's filesystems (:func:`~spark_llm.filesystems.python_filesystem`)
 on the cluster, where the paths are. Either way no data passes through the Python driver, and every file we write
 appears by rename, never half written. Tables go through Spark SQL and DataFrame writes (appends, ``DELETE``,
 ``DESCRIBE HISTORY``, values as escaped literals), which work over both kinds of session.
@@ -23,29 +23,13 @@ from pyspark.sql import functions as F
 
 from .config import ConfigError
 from .schemas import table_schema
+from .filesystems import python_filesystem
 from .session import is_connect
 
 log = logging.getLogger(__name__)
 
 
 # ---- files -------------------------------------------------------------------------------------------------------
-
-def python_filesystem(uri: str) -> tuple[Any, str]:
-    """A pyarrow filesystem and path for a Hadoop-style URI, as a Python process on the cluster can open it: local
-    and ``file:`` paths, Databricks' ``dbfs:/`` (its ``/dbfs`` mount) and ``/Volumes``, ``s3a://`` as ``s3://``, and
-    what pyarrow understands (``gs://``, ``abfss://``, ``hdfs://``)."""
-    from pyarrow import fs
-
-    if uri.startswith("dbfs:/"):
-        uri = "/dbfs/" + uri[len("dbfs:/"):].lstrip("/")
-    elif uri.startswith(("s3a://", "s3n://")):
-        uri = "s3://" + uri.split("://", 1)[1]
-    if uri.startswith("file:"):
-        return fs.LocalFileSystem(), "/" + uri[len("file:"):].lstrip("/")
-    if "://" not in uri:
-        return fs.LocalFileSystem(), os.path.abspath(uri)
-    return fs.FileSystem.from_uri(uri)
-
 
 def _in_task(spark: SparkSession, op: Callable[..., Any], *args: Any) -> Any:
     """``op(*args)`` run in one Spark task (a Connect session's file operations); its JSON-able result."""

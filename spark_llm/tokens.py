@@ -15,11 +15,13 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from .endpoints import BY_KIND
 from .endpoints.common import check_token_ids
 from .errors import ErrorCode
+from .host import locked
 from .partition import prefix_key
 from .schemas import PREFIX_COL
 
@@ -82,7 +84,7 @@ def load_tokenizer(model_dir: str) -> Any:
     record = _class_record(model_dir)
     cls = _recorded_class(record)
     if cls is None:
-        with _host_lock(record, wait=DECISION_WAIT_SECONDS):
+        with locked(decision_lock(record), wait=DECISION_WAIT_SECONDS):
             cls = _recorded_class(record) or _decide_class(model_dir, record, in_child=True)
     if cls is not None:
         with contextlib.suppress(Exception):  # else AutoTokenizer, and its error
@@ -104,7 +106,7 @@ def deciding_tokenizer_class(model_dir: str) -> Iterator[None]:
     if _recorded_class(record) is not None:
         yield
         return
-    with _host_lock(record, wait=0.0) as held:
+    with locked(decision_lock(record), wait=0.0) as held:
         yield
         if held and _recorded_class(record) is None:
             with contextlib.suppress(Exception):
@@ -175,22 +177,10 @@ def autotokenizer_choice(model_dir: str) -> str:
     return f"{cls.__module__}:{cls.__name__}"
 
 
-@contextlib.contextmanager
-def _host_lock(record: Any, wait: float = 0.0) -> Iterator[bool]:
-    """An exclusive lock on ``record`` among the processes of this host (a file beside it; released when the block
-    ends, or the process does), waited for ``wait`` seconds at most; yields whether it is held."""
-    import time
-
-    from .engine_service import _try_lock
-
-    deadline = time.monotonic() + wait
-    while (fd := _try_lock(record.with_name(record.name + ".lock"))) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield fd is not None
-    finally:
-        if fd is not None:
-            os.close(fd)
+def decision_lock(record: Path) -> Path:
+    """The lock beside a tokenizer-class record, held by the process deciding it (the host's other processes wait
+    for it, or leave the decision to it)."""
+    return record.with_name(record.name + ".lock")
 
 
 @dataclass(frozen=True)
@@ -266,7 +256,7 @@ def count_rows(tokenizer: Any, rows: Sequence[tuple[str, str, str]], ctx: TokenC
             if isinstance(st, Exception):
                 raise st
             prompt, sampling, ids, cut, _ = st
-            out.append(_decide(tokenizer, vocab, kind, prompt, sampling, ids, cut, sampling_json, ctx))
+            out.append(_decide(tokenizer, vocab, Rendered(kind, prompt, sampling, sampling_json, ids, cut), ctx))
         except Exception as exc:
             out.append({"prompt_token_ids": None, "prompt_tokens": None, "notes": None, "est_tokens": None,
                         "sampling_json": sampling_json, "max_tokens": None,
@@ -302,10 +292,23 @@ def _encode_in_place(tokenizer: Any, prompts: Sequence[tuple[list, bool]]) -> li
     return failures
 
 
-def _decide(tokenizer: Any, vocab: int, kind: str, prompt: Any, sampling: dict, ids: list[list[int]],
-            truncated: bool, sampling_json: str, ctx: TokenContext) -> dict:
-    """The counts and the context-length decision for a request rendered to ``ids`` (``vocab``: the tokenizer's
-    size)."""
+@dataclass
+class Rendered:
+    """A valid request rendered to token ids: its prompts' ``ids`` (``truncated``: encoded from a text cut at the
+    model's context length, so at least that long)."""
+
+    kind: str
+    prompt: Any
+    sampling: dict
+    sampling_json: str
+    ids: list[list[int]]
+    truncated: bool
+
+
+def _decide(tokenizer: Any, vocab: int, request: Rendered, ctx: TokenContext) -> dict:
+    """The counts and the context-length decision for a rendered request (``vocab``: the tokenizer's size)."""
+    kind, prompt, sampling, sampling_json = request.kind, request.prompt, request.sampling, request.sampling_json
+    ids, truncated = request.ids, request.truncated
     max_tokens = int(sampling["max_tokens"])
     longest = max(len(p) for p in ids)
     if truncated and longest + max_tokens <= ctx.max_model_len:  # pathological chars/token: count it all

@@ -31,10 +31,11 @@ from . import faults, storage, write
 from .background import SparkJobInBackground
 from .context import RunContext
 from .config import BatchConfig, config_view
-from .engine import EngineSpec, config_layout, has_gpus, inference_profile, resolve
-from .engine_service import Executor, ProcessSettings, Slot, prestart_slots
+from .engine_host import EngineSpec, Executor, ProcessSettings, prestart_slots
+from .engine_host.placement import config_layout, has_gpus, inference_profile
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, prestart_partition, warm_partition
+from .models import resolve
 from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions, plan_settings
 from .prepare import LocalRows, Outcomes
@@ -157,7 +158,7 @@ def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
     try:
         ictx = _infer_context(run, Numbering())
         executor = Executor(local_executor(run.spark), local_worker_env(conf))
-        slots = [Slot.cpu(n, executor.pid) for n in range(ictx.cpu_slots or 1)]
+        slots = ictx.place.local_slots(executor.pid)
         prestart_slots(ictx.engine, ictx.process, slots, executor)
     except Exception as exc:  # only a head start
         log.info("batch %s: the engines start from a warm-up job (%s)", run.batch_id, exc)
@@ -169,7 +170,7 @@ def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
 def prestart_before_session(config: BatchConfig, settings: Mapping[str, str], master: Optional[str]) -> bool:
     """``spark-llm run`` on a ``local[N]`` master it starts itself: the main model's CPU engines start loading
     before the session's JVM does (the JVM, Delta and the first jobs take seconds a loading engine can use), named by
-    this process, as the session will name its executor (:data:`~spark_llm.engine_service.LOCAL_EXECUTOR_ENV`), and
+    this process, as the session will name its executor (:data:`~spark_llm.engine_host.LOCAL_EXECUTOR_ENV`), and
     ending with it. The run's warm-up (:func:`prestart_here`) finds them starting; a head start only: False, and
     nothing started, when the settings do not resolve here (the run says why) or the session is not of that kind."""
     conf = local_session_conf(master, settings)
@@ -183,7 +184,7 @@ def prestart_before_session(config: BatchConfig, settings: Mapping[str, str], ma
     executor = Executor(os.getpid(), local_worker_env(conf))
     layout = config_layout(cfg, conf, lambda: local_parallelism(conf), local_task_threads(conf))
     spec, process = EngineSpec.from_config(cfg), config_view(ProcessSettings, cfg)
-    prestart_slots(spec, process, [Slot.cpu(n, executor.pid) for n in range(layout.cpu_slots or 1)], executor)
+    prestart_slots(spec, process, layout.place.local_slots(executor.pid), executor)
     return True
 
 
@@ -191,8 +192,7 @@ def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
     return InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
                         batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics,
                         journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
-                        partition_offset=numbering.partitions, cpu_slots=run.layout.cpu_slots,
-                        feeds=run.layout.feeds)
+                        partition_offset=numbering.partitions, place=run.layout.place)
 
 
 @dataclass(frozen=True)
@@ -284,8 +284,9 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     if warmup is not None:
         warmup.wait()
     run.describe("plan partitions")
-    how = dict(plan_settings(run.cfg, layout), prefix_aware=run.cfg.prefix_aware_partitions)
-    plan = plan_in_process(planned_here, **how) if planned_here is not None else plan_partitions(valid, **how)
+    target, aware = plan_settings(run.cfg, layout), run.cfg.prefix_aware_partitions
+    plan = plan_in_process(planned_here, target, prefix_aware=aware) if planned_here is not None else \
+        plan_partitions(valid, target, prefix_aware=aware)
     ictx = _infer_context(run, numbering)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * layout.tasks, numbering.waves)
     current = {"wave": f"{numbering.waves}/{waves[-1].of}"}
@@ -345,7 +346,7 @@ class _WaveJob(_EngineJob):
     def _infer(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, ictx: InferContext) -> None:
         run.describe(f"infer wave {self.wave.label}")
         requests = materialize(valid, plan, self.wave.first, self.wave.count).select(*INFER_INPUT)
-        if ictx.cpu_slots:  # a local session: its engines hold every task slot
+        if ictx.place.local_engines:  # a local session: its engines hold every task slot
             with scheduler_pool(run.spark, FIRST_POOL):
                 requests = requests.localCheckpoint(eager=True)  # the shuffle now, not when an engine waits for it
         results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA, profile=run.gpu_profile)

@@ -36,7 +36,7 @@ def kill_marker(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_dir(tmp_path_factory) -> Path:
-    """This test run's engine directory (spark_llm.engine_service): its engines and their records."""
+    """This test run's engine directory (spark_llm.engine_host): its engines and their records."""
     return tmp_path_factory.mktemp("engines")
 
 
@@ -48,7 +48,7 @@ def model_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory, kill_marker, engine_dir, model_cache):
-    from spark_llm.engine_service import ENGINE_DIR_ENV
+    from spark_llm.engine_host import ENGINE_DIR_ENV
     from spark_llm.faults import FAULT_ENV
     from spark_llm.models import MODEL_CACHE_ENV
     from spark_llm.session import get_session

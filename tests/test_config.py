@@ -11,13 +11,13 @@ import pytest
 from conftest import ROOT
 from spark_llm.flags import add_run_arguments, flag
 from spark_llm.config import BatchConfig, ConfigError, config_view, spark_conf_from_yaml
-from spark_llm.engine import EngineSpec
+from spark_llm.engine_host import EngineSpec
 
 
 def test_defaults_and_served_name_from_model_dir():
     cfg = BatchConfig(model="/models/Llama-3-8B-Instruct/")
     assert cfg.served_model_name == "Llama-3-8B-Instruct"
-    assert cfg.tensor_parallel_size == 1 and cfg.max_num_seqs == 256 and cfg.overwrite is False
+    assert cfg.tensor_parallel_size == 1 and cfg.max_num_seqs is None and cfg.overwrite is False
     assert all(f.description for f in BatchConfig.model_fields.values())
 
 

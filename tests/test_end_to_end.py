@@ -277,8 +277,9 @@ def test_worker_killed_mid_partition_is_retried_exactly_once(spark, run, session
 def test_poison_requests_are_set_aside_and_the_rest_of_their_partitions_answered(spark, run, engine_dir, tiny_model):
     """One request kills its Python worker, one its engine process, on every attempt (spark_llm.faults): each ends
     as one engine_error row, every other line as expected (test_every_line_ends_exactly_once_in_the_delta_tables)."""
-    from spark_llm.engine import EngineSpec, resolve
-    from spark_llm.engine_service import read_events
+    from spark_llm.engine_host import EngineSpec
+    from spark_llm.models import resolve
+    from spark_llm.engine_host import read_events
 
     result, _, _ = run
     poison = errors_df(spark, result).where(F.col("custom_id").isin(POISON_WORKER_ID, POISON_ENGINE_ID)).collect()
@@ -299,7 +300,7 @@ def test_poison_requests_are_set_aside_and_the_rest_of_their_partitions_answered
 
 def test_dry_run_plans_the_same_batch_without_an_engine_or_writes(spark, run, tiny_model, tmp_path, engine_dir):
     from spark_llm import plan_batch
-    from spark_llm.engine_service import read_events
+    from spark_llm.engine_host import read_events
 
     import time
 
@@ -356,7 +357,7 @@ def test_a_small_local_input_is_prepared_in_process_into_the_rows_spark_s_execut
     """A local session prepares a small JSONL input in the driver's process (no Python workers, no first Spark
     jobs); on the shared run's ordinary, hostile and request-shape files every column of every row is what the
     executors make: validation, duplicates (and their messages), token ids, prefix keys, line ids."""
-    from spark_llm.engine import resolve, resolve_models
+    from spark_llm.models import resolve, resolve_models
     from spark_llm.prepare import prepare_in_process, prepare_on_spark, prepares_in_process
 
     cfg = BatchConfig(input=str(shared_run.root / "input"), output_dir="/tmp/unused", batch_id="b-parity",

@@ -12,8 +12,7 @@ import pytest
 
 from conftest import engine_settings
 from spark_llm.config import BatchConfig
-from spark_llm.engine import EngineSpec
-from spark_llm.engine_service import read_events
+from spark_llm.engine_host import EngineSpec, read_events
 
 pytestmark = pytest.mark.engine
 
@@ -22,11 +21,11 @@ def probe(spec: EngineSpec, prompt_ids: list[int]):
     def run(batches):
         import os
 
-        from spark_llm.engine_service import ProcessSettings, engine_for
+        from spark_llm.engine_host import ProcessSettings, TaskPlace, engine_for
 
         for pdf in batches:
-            with engine_for(spec, None, ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING"),
-                            cpu_slots=2, feeds=2) as engine:
+            with engine_for(spec, ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING"),
+                            TaskPlace(local_engines=2, feeds=2)) as engine:
                 [out] = engine.generate([(prompt_ids, {"max_tokens": 6, "temperature": 0}, {})])
             yield pd.DataFrame({"worker": [os.getpid()], "slot": [engine.slot.name], "engine": [engine.info["pid"]],
                                 "tokens": [",".join(map(str, out.outputs[0].token_ids))], "rows": [len(pdf)]})
@@ -69,8 +68,8 @@ def test_engines_started_together_are_forked_from_one_process_each_failing_on_it
     with its reason, for a task awaiting the process it saw starting."""
     import os
 
-    from spark_llm.engine_service import (ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, _await_server,
-                                          _starting_record, prestart_slots)
+    from spark_llm.engine_host import ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, prestart_slots
+    from spark_llm.engine_host.client import await_server
     from spark_llm.errors import EngineStartError
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
@@ -78,10 +77,10 @@ def test_engines_started_together_are_forked_from_one_process_each_failing_on_it
     slots = [Slot.cpu(n, executor=os.getpid()) for n in range(2)]
     process = ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING")
     assert prestart_slots(spec, process, slots, Executor(os.getpid(), dict(os.environ))) == slots
-    [launcher] = {_starting_record(s)["pid"] for s in slots}
+    [launcher] = {s.starting_record()["pid"] for s in slots}
     for slot in slots:
         with pytest.raises(EngineStartError, match="no-such-model"):
-            _await_server(slot, launcher)
+            await_server(slot, launcher)
     starts = [e for e in read_events(tmp_path) if e["event"] == "start"]
     assert sorted(e["slot"] for e in starts) == [s.name for s in slots]
     assert len({e["pid"] for e in starts} | {launcher}) == 3  # an engine process per slot, neither the launcher

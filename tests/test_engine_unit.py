@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from spark_llm.config import BatchConfig
-from spark_llm.config import ConfigError
-from spark_llm.engine import EngineSpec, check_gpu_settings, inference_profile, select_gpus
+from spark_llm.config import BatchConfig, ConfigError
+from spark_llm.engine_host import EngineSpec, TaskPlace
+from spark_llm.engine_host.isolation import generate_isolating
+from spark_llm.engine_host.placement import LocalMaster, check_gpu_settings, inference_profile, select_gpus
 from spark_llm.errors import EngineStartError
-from spark_llm.infer import generate_isolating
 
 
 def gpus(*addresses):
@@ -33,13 +33,15 @@ def test_select_gpus_rejects_a_mismatch_with_tensor_parallel_size():
 def test_gpu_slots_are_named_by_their_devices_and_fed_by_up_to_their_feeds(tmp_path, monkeypatch):
     import threading
 
-    from spark_llm.engine_service import ENGINE_DIR_ENV, Slot, hold_feed
+    from spark_llm.engine_host import ENGINE_DIR_ENV, Slot
+
+    from spark_llm.engine_host.client import hold_feed
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
     assert Slot.for_gpus(["1", "0"]) == Slot("gpu-0,1", ("0", "1")) and Slot.for_gpus(["10", "9"]).devices == ("9", "10")
-    with hold_feed(["3"], feeds=2) as a, hold_feed(["3"], feeds=2) as b:  # two tasks share GPU 3's engine
+    with hold_feed(TaskPlace(gpus=("3",), feeds=2)) as a, hold_feed(TaskPlace(gpus=("3",), feeds=2)) as b:  # two tasks share GPU 3's engine
         assert a.slot == b.slot == Slot("gpu-3", ("3",)) and {a.index, b.index} == {0, 1}
-        third = threading.Thread(target=lambda: hold_feed(["3"], feeds=2).__enter__(), daemon=True)
+        third = threading.Thread(target=lambda: hold_feed(TaskPlace(gpus=("3",), feeds=2)).__enter__(), daemon=True)
         third.start()
         third.join(0.5)
         assert third.is_alive()  # a third task waits for a feed
@@ -48,13 +50,14 @@ def test_gpu_slots_are_named_by_their_devices_and_fed_by_up_to_their_feeds(tmp_p
 
 
 def test_without_gpus_tasks_take_every_engine_s_first_feed_before_a_second_one(tmp_path, monkeypatch):
-    from spark_llm.engine_service import ENGINE_DIR_ENV, hold_feed
+    from spark_llm.engine_host import ENGINE_DIR_ENV
+    from spark_llm.engine_host.client import hold_feed
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
-    with hold_feed(None, cpu_slots=2, feeds=2) as a, hold_feed(None, cpu_slots=2, feeds=2) as b, \
-            hold_feed(None, cpu_slots=2, feeds=2) as c:
+    with hold_feed(TaskPlace(local_engines=2, feeds=2)) as a, hold_feed(TaskPlace(local_engines=2, feeds=2)) as b, \
+            hold_feed(TaskPlace(local_engines=2, feeds=2)) as c:
         assert [(f.slot.name[-2:], f.index) for f in (a, b, c)] == [("-0", 0), ("-1", 0), ("-0", 1)]
-    with hold_feed(None) as a, hold_feed(None) as b:  # unbounded: an engine per running task
+    with hold_feed(TaskPlace()) as a, hold_feed(TaskPlace()) as b:  # unbounded: an engine per running task
         assert a.slot.name.endswith("-0") and b.slot.name.endswith("-1") and a.index == b.index == 0
 
 
@@ -62,12 +65,14 @@ def test_a_task_alone_on_its_engine_waits_for_the_other_feeder_and_keeps_new_one
     import threading
     import time
 
-    from spark_llm.engine_service import ENGINE_DIR_ENV, hold_feed
+    from spark_llm.engine_host import ENGINE_DIR_ENV
+
+    from spark_llm.engine_host.client import hold_feed
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
     events = []
-    with hold_feed(None, cpu_slots=1, feeds=2) as isolating:
-        other = hold_feed(None, cpu_slots=1, feeds=2)
+    with hold_feed(TaskPlace(local_engines=1, feeds=2)) as isolating:
+        other = hold_feed(TaskPlace(local_engines=1, feeds=2))
         other.__enter__()
 
         def go_alone() -> None:
@@ -82,7 +87,7 @@ def test_a_task_alone_on_its_engine_waits_for_the_other_feeder_and_keeps_new_one
         other.__exit__(None, None, None)
         time.sleep(0.1)
         assert events == ["alone"]
-        late = threading.Thread(target=lambda: events.append(hold_feed(None, cpu_slots=1, feeds=2).__enter__().index))
+        late = threading.Thread(target=lambda: events.append(hold_feed(TaskPlace(local_engines=1, feeds=2)).__enter__().index))
         late.start()
         time.sleep(0.1)
         assert events == ["alone"]  # no new feeder while a task is alone on the engine
@@ -93,8 +98,9 @@ def test_a_task_alone_on_its_engine_waits_for_the_other_feeder_and_keeps_new_one
 
 def test_a_local_driver_starts_its_executor_s_engines_with_the_environment_its_python_workers_would_have(
         tmp_path, monkeypatch):
-    from spark_llm import engine_service
-    from spark_llm.engine_service import ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, prestart
+    from spark_llm import host
+    from spark_llm.engine_host import client as engine_client
+    from spark_llm.engine_host import ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, prestart
     from spark_llm.session import local_worker_env
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
@@ -111,8 +117,8 @@ def test_a_local_driver_starts_its_executor_s_engines_with_the_environment_its_p
             spawned.append((cmd, env))
             self.pid = 4242
 
-    monkeypatch.setattr(engine_service.subprocess, "Popen", Popen)
-    monkeypatch.setattr(engine_service, "process_alive", lambda pid: pid == 4242)
+    monkeypatch.setattr(engine_client.subprocess, "Popen", Popen)
+    monkeypatch.setattr(host, "process_alive", lambda pid: pid == 4242)
     spec = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64))
     slot = Slot.cpu(0, executor=31337)
     assert slot.name == "cpu-31337-0"
@@ -128,8 +134,9 @@ def test_a_local_driver_starts_its_executor_s_engines_with_the_environment_its_p
 
 def test_cpu_slots_started_together_share_one_process_that_forks_their_engines_gpu_slots_get_one_each(
         tmp_path, monkeypatch):
-    from spark_llm import engine_service
-    from spark_llm.engine_service import ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, prestart_slots
+    from spark_llm import host
+    from spark_llm.engine_host import client as engine_client
+    from spark_llm.engine_host import ENGINE_DIR_ENV, Executor, ProcessSettings, Slot, prestart_slots
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
     spawned = []
@@ -139,8 +146,8 @@ def test_cpu_slots_started_together_share_one_process_that_forks_their_engines_g
             spawned.append(cmd)
             self.pid = 4242 + len(spawned)
 
-    monkeypatch.setattr(engine_service.subprocess, "Popen", Popen)
-    monkeypatch.setattr(engine_service, "process_alive", lambda pid: pid in (4243, 4244))
+    monkeypatch.setattr(engine_client.subprocess, "Popen", Popen)
+    monkeypatch.setattr(host, "process_alive", lambda pid: pid in (4243, 4244))
     spec = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64))
     process = ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING")
     cpu = [Slot.cpu(n, executor=31337) for n in range(2)]
@@ -161,7 +168,11 @@ def test_a_task_awaiting_a_slot_s_engine_follows_the_process_forked_for_the_slot
     import subprocess
     import sys
 
-    from spark_llm.engine_service import ENGINE_DIR_ENV, Slot, _await_server, _write_private
+    from spark_llm.engine_host import ENGINE_DIR_ENV, Slot
+
+    from spark_llm.engine_host.client import await_server
+
+    from spark_llm.host import write_private
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -169,12 +180,12 @@ def test_a_task_awaiting_a_slot_s_engine_follows_the_process_forked_for_the_slot
     failed.wait()
     try:
         ready, broken = Slot("cpu-test-0"), Slot("cpu-test-1")
-        _write_private(ready.path(".json"), {"pid": 99999999, "launcher": launcher.pid, "key": "k", "authkey": "x"})
-        assert _await_server(ready, launcher.pid)["pid"] == 99999999
-        _write_private(broken.path(".starting"), {"pid": failed.pid, "launcher": launcher.pid, "key": "k"})
+        write_private(ready.path(".json"), {"pid": 99999999, "launcher": launcher.pid, "key": "k", "authkey": "x"})
+        assert await_server(ready, launcher.pid)["pid"] == 99999999
+        write_private(broken.path(".starting"), {"pid": failed.pid, "launcher": launcher.pid, "key": "k"})
         broken.path(".error").write_text("model /m not found")
         with pytest.raises(EngineStartError, match="model /m not found"):
-            _await_server(broken, launcher.pid)  # not once the launcher has gone
+            await_server(broken, launcher.pid)  # not once the launcher has gone
         assert launcher.poll() is None
     finally:
         launcher.kill()
@@ -201,7 +212,7 @@ def test_engine_spec_maps_config_to_vllm_arguments():
 
 
 def test_the_runner_is_read_from_the_model_directory(tmp_path):
-    from spark_llm.engine import model_runner
+    from spark_llm.models import model_runner
 
     def model(name, architectures, *files):
         d = tmp_path / name
@@ -274,18 +285,20 @@ def test_only_the_inference_stage_asks_for_gpus_a_share_of_one_when_tasks_feed_o
 
 
 def layout(conf, engines=None, tasks_per_engine=2, tp=1, parallelism=2, threads=None):
-    from spark_llm.engine import engine_layout
+    from spark_llm.engine_host.placement import engine_layout
 
     return engine_layout(conf, engines=engines, tasks_per_engine=tasks_per_engine, tensor_parallel_size=tp,
-                         parallelism=lambda: parallelism, local_threads=threads)
+                         parallelism=lambda: parallelism,
+                         local=LocalMaster(threads) if threads else None)
 
 
 def test_the_engine_layout_counts_engines_and_the_tasks_that_feed_each():
-    from spark_llm.engine import EngineLayout
+    from spark_llm.engine_host.placement import EngineLayout
 
-    gpu = {"spark.executor.resource.gpu.amount": "8", "spark.executor.instances": "4"}
+    gpu = {"spark.executor.resource.gpu.amount": "8", "spark.executor.instances": "4", "spark.executor.cores": "16"}
     assert layout(gpu) == EngineLayout(32, 2)  # 4 executors x 8 GPUs, two tasks per GPU
-    assert layout({**gpu, "spark.executor.cores": "16"}) == EngineLayout(32, 2)
+    # cores not known here (a standalone executor takes its worker's): one task per GPU, which any count runs
+    assert layout({**gpu, "spark.executor.cores": ""}) == EngineLayout(32, 1)
     # 8 engines x 2 tasks x 2 cpus do not fit 16 cores: Spark would pack the tasks two to a GPU and idle the rest
     assert layout({**gpu, "spark.executor.cores": "16", "spark.task.cpus": "2"}) == EngineLayout(32, 1)
     assert layout(gpu, tp=2) == EngineLayout(16, 1)  # a tensor-parallel group is fed by one task
@@ -293,10 +306,10 @@ def test_the_engine_layout_counts_engines_and_the_tasks_that_feed_each():
     assert layout({**gpu, "spark.task.resource.gpu.amount": "1"}) == EngineLayout(32, 1)
     assert layout(gpu, tasks_per_engine=1).tasks == 32
     # a local master: the engines share its cores, each fed by as many of its task threads as there are
-    assert layout({"spark.master": "local[4,8]"}, threads=4) == EngineLayout(2, 2, cpu_slots=2)
-    assert layout({"spark.master": "local[2,8]"}, threads=2) == EngineLayout(2, 1, cpu_slots=2)
+    assert layout({"spark.master": "local[4,8]"}, threads=4) == EngineLayout(2, 2, local_engines=2)
+    assert layout({"spark.master": "local[2,8]"}, threads=2) == EngineLayout(2, 1, local_engines=2)
     assert layout({"spark.master": "local[4,8]"}, engines=1, tasks_per_engine=4, threads=4) == \
-        EngineLayout(1, 4, cpu_slots=1)
+        EngineLayout(1, 4, local_engines=1)
     assert layout({"spark.master": "yarn"}, parallelism=6) == EngineLayout(6, 1)  # no GPUs: an engine per task
 
 
@@ -374,8 +387,8 @@ class Serving:
     def __init__(self, fake, start_loop=True):
         import threading
 
-        from spark_llm.engine_server import EngineServer
-        from spark_llm.engine_service import Slot
+        from spark_llm.engine_host.server import EngineServer
+        from spark_llm.engine_host import Slot
 
         self.server = EngineServer(Slot("cpu-test-0"), "key", 0, 0)
         self.server.engine, self.server.parsers = fake, SimpleNamespace(parse=lambda choice, parse: None)
@@ -393,7 +406,9 @@ class Serving:
         import threading
         from multiprocessing import Pipe
 
-        from spark_llm.engine_service import EngineClient, Feed, Slot
+        from spark_llm.engine_host import EngineClient, Slot
+
+        from spark_llm.engine_host.client import Feed
 
         ours, theirs = Pipe()
         threading.Thread(target=self.server.handle, args=(theirs,), daemon=True).start()
@@ -412,7 +427,7 @@ def request(first_token):
 
 
 def test_a_streamed_call_answers_every_request_once_as_it_finishes(monkeypatch):
-    monkeypatch.setattr("spark_llm.engine_service.STREAM_CHUNK", 3)  # several chunks
+    monkeypatch.setattr("spark_llm.engine_host.client.STREAM_CHUNK", 3)  # several chunks
     got = stream_through(FakeLLM(), [request(t) for t in range(10, 20)])
     assert sorted(i for i, _ in got) == list(range(10))
     assert {i: r.outputs[0].text for i, r in got} == {i: f"t{10 + i}" for i in range(10)}
@@ -420,7 +435,7 @@ def test_a_streamed_call_answers_every_request_once_as_it_finishes(monkeypatch):
 
 
 def test_a_request_the_engine_refuses_is_that_requests_failure_only():
-    from spark_llm.engine_service import RequestFailure
+    from spark_llm.engine_host import RequestFailure
 
     got = dict(stream_through(FakeLLM(refused={12}), [request(t) for t in range(10, 15)]))
     assert isinstance(got[2], RequestFailure) and got[2].kind == "engine" and "max_logprobs" in got[2].message
@@ -513,11 +528,11 @@ def test_a_failed_step_isolates_both_tasks_requests_and_answers_each_its_own():
 
 
 def test_a_dead_engine_tells_every_feeder_and_the_server_stops(monkeypatch):
-    from spark_llm.engine_service import EngineDied
+    from spark_llm.engine_host import EngineDied
 
     class Dead(Exception):
         pass
-    monkeypatch.setattr("spark_llm.infer.is_fatal", lambda exc: isinstance(exc, Dead))
+    monkeypatch.setattr("spark_llm.engine_host.server.is_fatal", lambda exc: isinstance(exc, Dead))
     serving = Serving(FakeLLM(step_fails=1, failure=Dead("CUDA error: an illegal memory access")), start_loop=False)
     threads, results, errors = streams_at_once(serving, [[request(10)], [request(50)]])
     wait_for_inbox(serving.server, 2)
@@ -530,7 +545,7 @@ def test_a_dead_engine_tells_every_feeder_and_the_server_stops(monkeypatch):
 
 
 def test_an_embedding_engine_that_dies_in_a_whole_call_tells_its_feeder_and_the_server_stops(monkeypatch):
-    from spark_llm.engine_service import EngineDied
+    from spark_llm.engine_host import EngineDied
 
     class Dead(Exception):
         pass
@@ -538,7 +553,7 @@ def test_an_embedding_engine_that_dies_in_a_whole_call_tells_its_feeder_and_the_
     class DyingEmbedder(FakeLLM):
         def embed(self, prompts, pooling_params=None, lora_request=None, use_tqdm=False):
             raise Dead("CUDA error: device-side assert triggered")
-    monkeypatch.setattr("spark_llm.infer.is_fatal", lambda exc: isinstance(exc, Dead))
+    monkeypatch.setattr("spark_llm.engine_host.server.is_fatal", lambda exc: isinstance(exc, Dead))
     serving = Serving(DyingEmbedder())
     serving.server.pooling = True  # vLLM's pooling runner: whole calls, one at a time
     with pytest.raises(EngineDied, match="device-side assert"):
@@ -566,7 +581,9 @@ def test_the_requests_of_a_task_that_hung_up_leave_the_engine_and_the_other_task
 def test_a_call_to_an_engine_that_has_ended_or_is_stopping_is_gone_not_a_death():
     from multiprocessing import Pipe
 
-    from spark_llm.engine_service import EngineClient, EngineGone, Feed, Slot
+    from spark_llm.engine_host import EngineClient, EngineGone, Slot
+
+    from spark_llm.engine_host.client import Feed
 
     ours, theirs = Pipe()
     theirs.close()  # the engine process ended (its slot's other feeder's request killed it) since the last call
@@ -592,33 +609,34 @@ def test_a_feeder_awaiting_an_engine_that_was_ready_and_ended_at_once_finds_it_g
     import subprocess
     import sys
 
-    from spark_llm.engine_service import (ENGINE_DIR_ENV, EngineClient, EngineGone, Feed, Slot, _await_server,
-                                          _connect_or_gone, _write_private)
+    from spark_llm.engine_host import ENGINE_DIR_ENV, EngineClient, EngineGone, Slot
+    from spark_llm.engine_host.client import Feed, await_server, connect_or_gone
+    from spark_llm.host import write_private
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
     slot = Slot("cpu-test-0")
     ready = subprocess.Popen([sys.executable, "-c", "pass"])
     ready.wait()  # became ready (wrote its info), then ended
-    _write_private(slot.path(".json"), {"pid": ready.pid, "key": "k", "authkey": "x", "devices": []})
-    info = _await_server(slot, ready.pid)
+    write_private(slot.path(".json"), {"pid": ready.pid, "key": "k", "authkey": "x", "devices": []})
+    info = await_server(slot, ready.pid)
     assert info["pid"] == ready.pid
-    client = EngineClient(Feed(slot, 1, 2), info, False, _conn=_connect_or_gone(slot, info))
+    client = EngineClient(Feed(slot, 1, 2), info, False, _conn=connect_or_gone(slot, info))
     with pytest.raises(EngineGone, match="has ended"):
         client.stream([request(10)], lambda i, r: None)
 
     never = subprocess.Popen([sys.executable, "-c", "pass"])
     never.wait()  # ended before it was ready: that one could not start
     with pytest.raises(EngineStartError, match="exited"):
-        _await_server(slot, never.pid)
+        await_server(slot, never.pid)
 
 
 def test_the_local_warm_up_starts_each_slot_s_engine_from_the_driver_or_leaves_it_to_the_warm_up_job(monkeypatch):
     from spark_llm import waves
-    from spark_llm.engine_service import Executor, Slot
+    from spark_llm.engine_host import Executor, Slot
 
     run = SimpleNamespace(batch_id="b", spark=None)
     monkeypatch.setattr(waves, "_infer_context", lambda run, numbering: SimpleNamespace(
-        cpu_slots=2, engine="the-spec", process="the-process"))
+        place=TaskPlace(local_engines=2), engine="the-spec", process="the-process"))
     started = []
     monkeypatch.setattr(waves, "prestart_slots",
                         lambda spec, process, slots, executor: started.extend((s, executor) for s in slots))
@@ -638,8 +656,9 @@ def test_spark_llm_run_starts_a_local_session_s_engines_before_its_jvm_named_by_
     import os
 
     from spark_llm import waves
-    from spark_llm.engine import EngineSpec, resolve
-    from spark_llm.engine_service import Executor, Slot
+    from spark_llm.engine_host import EngineSpec
+    from spark_llm.models import resolve
+    from spark_llm.engine_host import Executor, Slot
 
     started = []
     monkeypatch.setattr(waves, "prestart_slots",
@@ -664,7 +683,9 @@ def test_a_local_session_names_its_executor_by_its_driver_only_while_its_jvm_sta
 
     from pyspark import SparkContext
 
-    from spark_llm.engine_service import LOCAL_EXECUTOR_ENV, executor_id
+    from spark_llm.engine_host import LOCAL_EXECUTOR_ENV
+
+    from spark_llm.engine_host.directory import executor_id
     from spark_llm.session import _naming_local_executor
 
     monkeypatch.setattr(SparkContext, "_gateway", None)  # no JVM launched by this process yet
@@ -683,7 +704,7 @@ def test_a_local_session_names_its_executor_by_its_driver_only_while_its_jvm_sta
 def test_an_engine_s_imports_run_without_the_cyclic_collector_and_end_up_frozen():
     import gc
 
-    from spark_llm.engine_server import imports_kept
+    from spark_llm.engine_host.server import imports_kept
 
     frozen_before = gc.get_freeze_count()
     try:

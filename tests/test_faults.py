@@ -85,8 +85,10 @@ def test_max_requests_limit_stops_before_inference(spark, tmp_path, tiny_model):
 def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tmp_path, tiny_model, engine_dir):
     from openai.types import Batch
 
-    from spark_llm.engine import EngineSpec, resolve
-    from spark_llm.engine_service import read_events
+    from spark_llm.engine_host import EngineSpec
+
+    from spark_llm.models import resolve
+    from spark_llm.engine_host import read_events
 
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model, broken)

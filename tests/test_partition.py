@@ -7,7 +7,7 @@ import random
 from pyspark import StorageLevel
 from pyspark.sql import functions as F
 
-from spark_llm.partition import (PART_COL, assign, balance, materialize, num_partitions, plan_partitions,
+from spark_llm.partition import (PART_COL, PlanTarget, assign, balance, materialize, num_partitions, plan_partitions,
                                  prefix_key, slot_keys, spark_hash_long)
 from spark_llm.tokens import estimated_tokens
 
@@ -35,12 +35,12 @@ def test_both_planners_give_a_small_batch_one_partition_per_engine(spark):
     from spark_llm.partition import plan_in_process
 
     rows = [(i, 10 + i) for i in range(12)]
-    how = dict(target_tokens=10_000, slots=4, prefix_aware=False, engines=2)
+    how = dict(target_tokens=10_000, slots=4, engines=2)
     table = pa.table({"id": [r[0] for r in rows], "est_tokens": [r[1] for r in rows]})
     df = spark.createDataFrame(rows, "id long, est_tokens long")
     for engine_batch, parts in ((8, 2), (4, 4)):  # 12 requests: all at once in two engines of 8, not of 4
-        here = plan_in_process(table, engine_batch=engine_batch, **how)
-        by_spark = plan_partitions(df, engine_batch=engine_batch, **how)
+        here = plan_in_process(table, PlanTarget(engine_batch=engine_batch, **how), prefix_aware=False)
+        by_spark = plan_partitions(df, PlanTarget(engine_batch=engine_batch, **how), prefix_aware=False)
         assert here.num_partitions == by_spark.num_partitions == parts
         assert sum(here.requests_per_partition) == sum(by_spark.requests_per_partition) == 12
 
@@ -144,8 +144,7 @@ def test_requests_sharing_a_prefix_share_a_partition_and_stay_balanced(spark):
     try:
         spread, total = {}, df.agg(F.sum("est_tokens")).first()[0]
         for aware in (True, False):
-            plan = plan_partitions(df, target_tokens=-(-total // 8), slots=4, order_col="custom_id",
-                                   prefix_aware=aware)
+            plan = plan_partitions(df, PlanTarget(-(-total // 8), 4), order_col="custom_id", prefix_aware=aware)
             assigned = assign(df, plan)
             parts_of = {r["g"]: r["n"] for r in assigned.groupBy("g").agg(F.countDistinct(PART_COL).alias("n"))
                         .collect()}
@@ -177,8 +176,8 @@ def test_a_plan_made_in_process_is_the_plan_spark_makes(spark):
         table = df.select("custom_id", "prefix_key", "est_tokens").toArrow()
         total = sum(r[4] for r in rows)
         for aware, parts in ((True, 8), (False, 8), (True, 3), (False, 1)):
-            how = dict(target_tokens=-(-total // parts), slots=2, order_col="custom_id", prefix_aware=aware)
-            on_spark, here = plan_partitions(df, **how), plan_in_process(table, **how)
+            target, how = PlanTarget(-(-total // parts), 2), dict(order_col="custom_id", prefix_aware=aware)
+            on_spark, here = plan_partitions(df, target, **how), plan_in_process(table, target, **how)
             assert here.num_partitions == on_spark.num_partitions >= parts
             assert here.order == on_spark.order == (("prefix_key", "custom_id") if aware else ("custom_id",))
             assert here.starts == on_spark.starts and None not in here.starts

@@ -9,9 +9,9 @@ import math
 import pandas as pd
 import pytest
 
-from spark_llm.engine_service import EngineDied
+from spark_llm.engine_host import EngineDied
 from spark_llm.infer import generate_guarded
-from spark_llm.quarantine import FANOUT, MAX_ENGINE_REBUILDS, Journal, isolation_plan, retry_budget_warning, task_attempts_needed
+from spark_llm.engine_host.isolation import FANOUT, MAX_ENGINE_REBUILDS, Journal, isolation_plan, retry_budget_warning, task_attempts_needed
 from spark_llm.session import with_task_retries
 
 
@@ -185,7 +185,7 @@ def test_rows_answered_before_the_engine_died_are_kept_and_not_run_again(tmp_pat
 def test_an_engine_gone_before_a_call_is_replaced_and_the_call_made_again_without_suspecting_it(tmp_path):
     """The slot's other feeder lost the engine between this task's calls: its call never reached an engine, so it
     is made again on the next one, alone on nothing and with no death on record."""
-    from spark_llm.engine_service import EngineGone
+    from spark_llm.engine_host import EngineGone
 
     class GoneOnce(FakeEngine):
         def stream(self, requests, on_result, starting=None):

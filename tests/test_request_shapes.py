@@ -152,11 +152,12 @@ def thinking_engine(tiny_model):
     engines, which keep theirs), stopped when the module ends."""
     from conftest import engine_settings
     from spark_llm.config import BatchConfig
-    from spark_llm.engine import EngineSpec
-    from spark_llm.engine_service import ProcessSettings, engine_for, stop_engines_on
+    from spark_llm.engine_host import EngineSpec
+    from spark_llm.engine_host import ProcessSettings, TaskPlace, engine_for
+    from spark_llm.engine_host.client import stop_engines_on
 
     cfg = BatchConfig(**{**engine_settings(tiny_model), "reasoning_parser": "deepseek_r1"}).resolved(1024)
-    with engine_for(EngineSpec.from_config(cfg), None, ProcessSettings(0, "WARNING")) as engine:
+    with engine_for(EngineSpec.from_config(cfg), ProcessSettings(0, "WARNING"), TaskPlace()) as engine:
         yield engine
     stop_engines_on(engine.slot)
 

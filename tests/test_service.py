@@ -53,7 +53,7 @@ class Server:
         self.port = 0
 
     def start(self) -> None:
-        from spark_llm.engine_service import ENGINE_DIR_ENV
+        from spark_llm.engine_host import ENGINE_DIR_ENV
         from spark_llm.faults import FAULT_ENV
 
         self.port = _free_port()

@@ -63,13 +63,13 @@ def test_the_recorded_delta_jars_are_used_only_while_every_one_is_on_disk(tmp_pa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     jar = tmp_path / "delta-spark.jar"
     jar.write_bytes(b"")
-    assert session._recorded_delta_jars() is None
+    assert session.recorded_delta_jars() is None
     session._record_delta_jars(f"file://{jar}")
-    assert session._recorded_delta_jars() == f"file://{jar}"
+    assert session.recorded_delta_jars() == f"file://{jar}"
     jar.unlink()
-    assert session._recorded_delta_jars() is None
+    assert session.recorded_delta_jars() is None
     session._record_delta_jars("file:///some/other.jar")  # a list without Delta's jar is not recorded
-    assert session._recorded_delta_jars() is None
+    assert session.recorded_delta_jars() is None
 
 
 def test_a_local_session_runs_a_block_s_jobs_in_its_fair_pool_and_restores_the_thread_s_pool(spark):

@@ -209,7 +209,7 @@ def test_a_worker_waits_for_the_engine_deciding_the_tokenizer_class_and_loads_wh
 
     env = {**__import__("os").environ, "SPARK_LLM_MODEL_CACHE": str(tmp_path)}
     engine = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom spark_llm.engine_server import tokenizer_class_decided\n"
+        [sys.executable, "-c", "import sys, time\nfrom spark_llm.engine_host.server import tokenizer_class_decided\n"
          "with tokenizer_class_decided({'model': sys.argv[1], 'tokenizer': None}):\n"
          "    print('importing', flush=True)\n    time.sleep(2)\n", tiny_model], env=env, stdout=subprocess.PIPE,
         text=True)
@@ -228,10 +228,11 @@ def test_an_engine_does_not_wait_for_another_process_deciding_the_tokenizer_clas
     """A worker's child deciding the class holds the host's lock for seconds (it imports torch); an engine start
     must not wait for it: it leaves the decision to that process."""
     from spark_llm import tokens
+    from spark_llm.host import locked
 
     monkeypatch.setenv("SPARK_LLM_MODEL_CACHE", str(tmp_path))
     record = tokens._class_record(tiny_model)
-    with tokens._host_lock(record) as held:
+    with locked(tokens.decision_lock(record), wait=0.0) as held:
         assert held
         with tokens.deciding_tokenizer_class(tiny_model):  # returns at once: another process is deciding
             pass

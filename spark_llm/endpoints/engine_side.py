@@ -1,7 +1,7 @@
 """What the engine process does for the endpoints: vLLM ``SamplingParams`` from the JSON keyword arguments the
 endpoint modules build, and the reasoning / tool-call parsing of answers with vLLM's parser registries.
 
-This module imports vLLM; only the engine process (:mod:`~spark_llm.engine_service`) imports it, where vLLM and the
+This module imports vLLM; only the engine process (:mod:`~spark_llm.engine_host.server`) imports it, where vLLM and the
 model's tokenizer are loaded anyway, so Spark's Python workers never pay for them.
 """
 

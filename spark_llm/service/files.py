@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Optional
 
-from ..storage import python_filesystem
+from ..filesystems import python_filesystem
 from .protocol import APIError
 
 #: Bytes a download reads from storage at a time.

@@ -1,4 +1,8 @@
-"""Poison-request quarantine: no single request can take the batch down.
+"""Request isolation: no single request can take the batch down.
+
+A request the engine **refuses** (an error raised for one call, not fatal to the engine) is found by bisecting the
+call (:func:`generate_isolating`) and becomes that request's error. A request that **kills** the engine is found
+across deaths, as follows.
 
 A request that kills the engine (a kernel segfault, an out-of-memory kill, a CUDA error) would kill it again on every
 retry of its task, and after ``spark.task.maxFailures`` the batch would fail; ``--resume`` would meet it again. So
@@ -26,7 +30,10 @@ import re
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+from ..filesystems import python_filesystem
+from .directory import engine_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,51 @@ RECOMMENDED_TASK_ATTEMPTS = 8
 #: Engine deaths a task survives by rebuilding the engine in place; after that the task fails and its next attempt
 #: continues from the journal.
 MAX_ENGINE_REBUILDS = 6
+
+
+#: What a device error that poisons the process's CUDA context says (CUDA's "sticky" errors: every later kernel on
+#: the device fails too, so the engine must be rebuilt in a new process). vLLM's in-process engine raises them as
+#: they are; only its multiprocess client turns them into ``EngineDeadError``. An out-of-memory error is not sticky.
+STICKY_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                        "misaligned address", "illegal instruction", "uncorrectable ECC error", "NCCL error",
+                        "CUDA error: an illegal", "cudaErrorIllegalAddress", "CUBLAS_STATUS_EXECUTION_FAILED",
+                        "CUDNN_STATUS_EXECUTION_FAILED", "hardware exception")
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """The engine is dead: vLLM's ``EngineDeadError``, or a device error that leaves the CUDA context unusable
+    (:data:`STICKY_DEVICE_ERRORS`). No request can be answered by it any more."""
+    text = str(exc)
+    if any(marker in text for marker in STICKY_DEVICE_ERRORS):
+        return True
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # pragma: no cover - other vLLM layouts
+        return False
+    return isinstance(exc, EngineDeadError)
+
+
+def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence, params: Sequence,
+                       is_fatal: Callable[[BaseException], bool] = is_fatal) -> list:
+    """Run ``generate`` on all requests at once; if it raises a non-fatal error, bisect to find the request(s)
+    responsible. Returns, per request, either its output or the exception it caused."""
+    if not prompts:
+        return []
+    try:
+        outs = list(generate(list(prompts), list(params)))
+        if len(outs) != len(prompts):
+            raise RuntimeError(f"engine returned {len(outs)} outputs for {len(prompts)} requests")
+        return outs
+    except Exception as exc:
+        if is_fatal(exc):
+            raise
+        if len(prompts) == 1:
+            return [exc]
+        mid = len(prompts) // 2
+        log.warning("engine call over %d requests failed (%s); isolating the failing request(s)", len(prompts),
+                    type(exc).__name__)
+        return (generate_isolating(generate, prompts[:mid], params[:mid], is_fatal)
+                + generate_isolating(generate, prompts[mid:], params[mid:], is_fatal))
 
 
 @dataclass(frozen=True)
@@ -126,14 +178,10 @@ class Journal:
         afresh), with a warning."""
         if not base:
             return None
-        from .storage import python_filesystem
-
         try:
             filesystem, root = python_filesystem(f"{base.rstrip('/')}/p{partition}")
             filesystem.create_dir(root, recursive=True)
         except Exception as exc:
-            from .engine_service import engine_dir
-
             root = str(engine_dir() / "journal" / base.strip("/").replace("/", "_").replace(":", "") / f"p{partition}")
             log.warning("quarantine journal: cannot use %s from this worker (%s); using %s on this host", base,
                         str(exc).splitlines()[0], root)

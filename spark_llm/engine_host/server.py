@@ -1,7 +1,7 @@
 """The engine process of one slot: one vLLM engine, fed by every task that holds a feed of the slot, at once.
 
-``python -m spark_llm.engine_server`` is started by :mod:`~spark_llm.engine_service` (the tasks' side: slots,
-feeds, start and stop). It builds the engine, listens on the slot's Unix socket and reads each connection (a task)
+``python -m spark_llm.engine_host.server`` is started by :mod:`~spark_llm.engine_host.client` (the tasks' side:
+slots, feeds, start and stop); what crosses the socket is :mod:`~spark_llm.engine_host.protocol`. It builds the engine, listens on the slot's Unix socket and reads each connection (a task)
 in a thread of its own. One **engine loop** thread owns the engine: it keeps a backlog of requests in vLLM
 (:data:`BACKLOG_PER_SEQ` x ``max_num_seqs``, enough to refill every sequence that finishes), topping it up before
 each step from the **oldest** stream that has requests left, steps the engine, and sends every finished request
@@ -13,9 +13,9 @@ first-come queue: both partitions would progress at one rate and end together, a
 next two tasks.)
 
 A request the engine refuses when it is added is that request's failure. A step that raises (not fatally) sends
-every request in flight through the isolating path (:func:`~spark_llm.infer.generate_isolating`), whose bisection
+every request in flight through the isolating path (:func:`~spark_llm.engine_host.isolation.generate_isolating`), whose bisection
 finds the request at fault. A dead engine (``EngineDeadError``) answers every stream ``dead`` and the process ends:
-its tasks rebuild it and set the request that killed it aside (:mod:`~spark_llm.quarantine`, which runs a partition
+its tasks rebuild it and set the request that killed it aside (:mod:`~spark_llm.engine_host.isolation`, which runs a partition
 with deaths on record alone on the engine). Embedding engines (vLLM's pooling runner) take whole calls, one at a
 time.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import gc
 import importlib
 import json
@@ -41,18 +40,14 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from .engine_service import (EVENTS_FILE, STOP_TIMEOUT_SECONDS, Output, RequestFailure, Slot, _plain,
-                             _starting_record, _try_lock, _write_private, engine_dir, process_alive)
-from .errors import EngineStartError
+from ..errors import EngineStartError
+from ..host import process_alive, try_lock, write_private
+from .directory import STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, engine_dir, event, process_record
+from .isolation import generate_isolating, is_fatal
+from .protocol import Ask, Output, Reply, RequestFailure
+from .spec import EngineSpec, build_engine, shutdown_engine
 
 log = logging.getLogger(__name__)
-
-def _event(**record: Any) -> None:
-    """One line of the engine directory's record of engine starts, readies and stops."""
-    line = json.dumps({"time": time.time(), **record}) + "\n"
-    with open(engine_dir() / EVENTS_FILE, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(line)
 
 
 class _Sender:
@@ -86,7 +81,7 @@ class _Sender:
 
 class _Stream:
     """One task's streamed call: ``total`` requests, whose results go back on its connection as they finish, then
-    ``("done", None)`` (or ``("dead" | "error", why)``)."""
+    ``(Reply.DONE, None)`` (or ``(Reply.DEAD | Reply.ERROR, why)``)."""
 
     def __init__(self, conn: Any, total: int):
         self.sender = _Sender(conn)
@@ -104,10 +99,10 @@ class _Stream:
     def answer(self, results: list) -> None:
         """Send ``[(index, result), ...]``; the stream is done when every request has its result."""
         if results:
-            self.sender.put(("results", results))
+            self.sender.put((Reply.RESULTS, results))
             self.left -= len(results)
         if self.left <= 0:
-            self.end("done", None)
+            self.end(Reply.DONE, None)
 
     def end(self, status: str, value: Any) -> None:
         if not self.ended.is_set():
@@ -115,6 +110,8 @@ class _Stream:
             self.ended.set()
 
 
+#: Seconds between the word of life a stepping engine sends the streams it works for (see ``EngineServer._beat``).
+HEARTBEAT_SECONDS = 5.0
 #: The engine's backlog, in sequences per ``max_num_seqs``: requests in vLLM (running or waiting) the engine loop
 #: keeps it topped up to. Above one, a finished sequence is replaced at once; the rest of a stream waits in the loop,
 #: in order, so a later stream's requests go in only when the earlier streams have none left to add.
@@ -140,7 +137,7 @@ class EngineServer:
         self.parsers: Any = None
         self.pooling = False  #: an embedding engine (vLLM's pooling runner)
         self.adapters: dict[Optional[str], Any] = {}  #: adapter name -> vLLM LoRARequest (None: the base model)
-        #: what the connection and watch threads hand the engine loop: ("add", stream, chunk), ("call", stream,
+        #: what the connection and watch threads hand the engine loop: ("take", stream, chunk), ("call", stream,
         #: requests) for pooling engines, ("stop", reason, code, when) with when "now", "when idle" or "if idle"
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.backlog = 512  #: requests kept in vLLM (BACKLOG_PER_SEQ x max_num_seqs, set with the engine)
@@ -149,6 +146,8 @@ class EngineServer:
         self.streams_lock = threading.Lock()
         self.stopping: Optional[tuple[str, int]] = None  #: a stop asked for, once the streams under way end
         self.last_used = time.monotonic()
+        self.called = False  #: a task has made a call (the idle clock runs from then on)
+        self.beaten = time.monotonic()  #: when the streams in the engine last heard from it
 
     # ---- the connection threads ----------------------------------------------------------------------------
 
@@ -167,16 +166,16 @@ class EngineServer:
             except (EOFError, OSError):
                 return
             self.last_used = time.monotonic()
-            if op == "ping":  # a task about to call: is this engine still here for it?
-                conn.send(("gone", self.stopping[0]) if self.stopping is not None else ("ok", None))
+            if op == Ask.PING:  # a task about to call: is this engine still here for it?
+                conn.send((Reply.GONE, self.stopping[0]) if self.stopping is not None else (Reply.OK, None))
                 continue
-            if op == "shutdown":  # another engine needs the slot's devices: stop once the streams under way end
+            if op == Ask.SHUTDOWN:  # another engine needs the slot's devices: stop once the streams under way end
                 with contextlib.suppress(Exception):
-                    conn.send(("ok", None))
+                    conn.send((Reply.OK, None))
                 self.inbox.put(("stop", "asked to stop", 0, "when idle"))
                 return
-            if op != "stream":
-                conn.send(("error", f"unknown op {op!r}"))
+            if op != Ask.STREAM:
+                conn.send((Reply.ERROR, f"unknown op {op!r}"))
                 continue
             if not self._receive_stream(conn, int(args[0])):
                 return
@@ -185,13 +184,14 @@ class EngineServer:
         """Hand a stream's chunks to the engine loop as they arrive, then wait until it has ended; False when the
         connection broke."""
         stream = _Stream(conn, total)
+        self.called = True
         with self.streams_lock:
             refused = self.stopping is not None
             if not refused:
                 self.streams.add(stream)
         try:
             if refused:  # none of its requests reach the engine: the task starts or finds another one
-                stream.end("gone", f"the engine of slot {self.slot.name} is stopping ({self.stopping[0]})")
+                stream.end(Reply.GONE, f"the engine of slot {self.slot.name} is stopping ({self.stopping[0]})")
                 _receive(conn, total)
                 return True
             if self.pooling:  # vLLM's pooling runner takes whole calls only
@@ -201,9 +201,9 @@ class EngineServer:
                 while received < total:
                     _, chunk = conn.recv()
                     received += len(chunk)
-                    self.inbox.put(("add", stream, chunk))
+                    self.inbox.put(("take", stream, chunk))
                 if not total:
-                    self.inbox.put(("add", stream, []))
+                    self.inbox.put(("take", stream, []))
             while not stream.ended.wait(0.2):
                 if conn.poll(0):  # the task sends nothing while its answers come: it hung up (its worker died)
                     conn.recv()
@@ -232,6 +232,7 @@ class EngineServer:
                 except Exception as exc:
                     self._step_failed(exc, flight)
                     continue
+                self._beat(flight)
                 finished: dict[_Stream, list] = {}
                 for out in outs:
                     if out.finished and (entry := flight.pop(out.request_id, None)) is not None:
@@ -240,8 +241,6 @@ class EngineServer:
                 for stream, results in finished.items():
                     self._answer(stream, results)
             except Exception as exc:
-                from .infer import is_fatal
-
                 if is_fatal(exc):  # from a pooling engine's whole call, say
                     self._die(exc)
                 # a bug of ours, not of one request: end the streams, keep the engine
@@ -250,8 +249,19 @@ class EngineServer:
                 self._abort(list(flight.values()))
                 flight.clear()
                 for stream in streams:
-                    stream.end("error", f"{type(exc).__name__}: {exc}")
+                    stream.end(Reply.ERROR, f"{type(exc).__name__}: {exc}")
                     self._forget(stream)
+
+    def _beat(self, flight: dict[str, "_InFlight"]) -> None:
+        """Every :data:`HEARTBEAT_SECONDS` while the engine steps, an empty result to each stream with requests in
+        it: a task hears from a working engine however long its answers take, so silence means a hung one
+        (:attr:`~spark_llm.engine_host.spec.ProcessSettings.engine_call_timeout_seconds`)."""
+        now = time.monotonic()
+        if now - self.beaten < HEARTBEAT_SECONDS:
+            return
+        self.beaten = now
+        for stream in {entry.stream for entry in flight.values()}:
+            stream.sender.put((Reply.RESULTS, []))
 
     def _take(self, block: bool) -> None:
         """Queue what the connection threads handed over (waiting for something when the engine has nothing to do)
@@ -266,7 +276,7 @@ class EngineServer:
             while True:
                 items.append(self.inbox.get_nowait())
         for op, *args in items:
-            if op == "add":
+            if op == "take":
                 stream, chunk = args
                 if not chunk:  # a call of no requests
                     self._answer(stream, [])
@@ -341,8 +351,6 @@ class EngineServer:
     def _step_failed(self, exc: Exception, flight: dict[str, _InFlight]) -> None:
         """A step raised. Dead engine: every stream ends ``dead`` and the process goes. Otherwise which request the
         engine choked on is not known: every request in flight runs again through the isolating path."""
-        from .infer import is_fatal
-
         if is_fatal(exc):
             self._die(exc)
         log.warning("engine step failed (%s: %s); isolating the %d request(s) in flight", type(exc).__name__, exc,
@@ -367,16 +375,15 @@ class EngineServer:
         with self.streams_lock:
             self.stopping = (f"engine dead: {exc}", 1)
         for stream in self._live_streams():
-            stream.end("dead", message)
+            stream.end(Reply.DEAD, message)
             stream.sender.close()
         self.stop(f"engine dead: {exc}", code=1)
 
     def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list:
         """Results of ``requests`` from one blocking engine call; a request the engine rejects is found by bisection
-        (:func:`~spark_llm.infer.generate_isolating`) and becomes its failure. For pooling engines and for the
+        (:func:`~spark_llm.engine_host.isolation.generate_isolating`) and becomes its failure. For pooling engines and for the
         requests in flight when a step raised."""
-        from .endpoints.engine_side import sampling_params
-        from .infer import generate_isolating, is_fatal
+        from ..endpoints.engine_side import sampling_params
 
         results: list = [None] * len(requests)
         prompts, params, adapters, index = [], [], [], []
@@ -409,7 +416,7 @@ class EngineServer:
 
     def _result(self, out: Any, parse: dict) -> "Output | RequestFailure":
         """A finished vLLM output as what crosses the socket, its answers parsed as ``parse`` asks."""
-        result = _plain(out)
+        result = Output.of(out)
         try:
             for choice in result.outputs:
                 self.parsers.parse(choice, parse)
@@ -420,8 +427,7 @@ class EngineServer:
     def _enqueue(self, stream: _Stream, chunk: list, flight: dict[str, _InFlight]) -> list:
         """Add a chunk of a stream's requests to the engine (``flight`` gets them); returns the failures of those it
         refused, each found by adding the chunk's requests one by one when the chunk as a whole was refused."""
-        from .endpoints.engine_side import sampling_params
-        from .infer import is_fatal
+        from ..endpoints.engine_side import sampling_params
 
         failed, ready = [], []
         for index, request in chunk:
@@ -461,31 +467,34 @@ class EngineServer:
         with self.streams_lock:
             self.stopping = self.stopping or (reason, code)
         with contextlib.suppress(Exception):
-            info = json.loads(self.slot.path(".json").read_text())
+            info = json.loads(self.slot.path(SlotFile.READY).read_text())
             if info.get("pid") == os.getpid():
-                self.slot.path(".json").unlink()
-                self.slot.path(".sock").unlink()
-        _event(event="stop", slot=self.slot.name, devices=list(self.slot.devices), pid=os.getpid(), key=self.key,
+                self.slot.path(SlotFile.READY).unlink()
+                os.unlink(self.slot.socket())
+        event(event="stop", slot=self.slot.name, devices=list(self.slot.devices), pid=os.getpid(), key=self.key,
                reason=reason)
         if self.engine is not None:
-            from .engine import shutdown_engine
-
             shutdown_engine(self.engine)
         os._exit(code)
 
     def watch(self) -> None:
-        """Ask the engine loop to stop when the executor is gone, or when idle longer than the idle timeout."""
+        """From the process's start: stop when the executor is gone (while the engine still loads, at once: the
+        GPUs are not held for a batch that ended), and ask the engine loop to stop when idle longer than the idle
+        timeout. The idle clock starts with the first call: an engine loaded ahead of a batch waits for it however
+        long the driver takes to prepare it."""
         while True:
             time.sleep(1.0)
             if not process_alive(self.watch_pid):
+                if self.engine is None:
+                    self.stop("executor gone while the engine loaded")
                 self.inbox.put(("stop", "executor gone", 0, "now"))
             idle = time.monotonic() - self.last_used
-            if self.idle_timeout and not self.streams and idle > self.idle_timeout:
+            if self.idle_timeout and self.called and not self.streams and idle > self.idle_timeout:
                 self.inbox.put(("stop", f"idle for {idle:.0f}s", 0, "if idle"))
 
 
 def _receive(conn: Any, count: int) -> list:
-    """The next ``count`` requests of a stream (``("add", chunk)`` messages)."""
+    """The next ``count`` requests of a stream (:attr:`~spark_llm.engine_host.protocol.Ask.ADD` messages)."""
     got: list = []
     while len(got) < count:
         _, chunk = conn.recv()
@@ -536,11 +545,10 @@ RECORD_WAIT_SECONDS = 30.0
 
 def import_engine(modules: Sequence[str] = ()) -> None:
     """What building the engine needs imported (:data:`VLLM_ENTRY_MODULE`, then ``modules``), kept out of the
-    cyclic collector's reach (:func:`imports_kept`); vLLM missing is left to :func:`~spark_llm.engine.build_engine`
+    cyclic collector's reach (:func:`imports_kept`); vLLM missing is left to :func:`~spark_llm.engine_host.spec.build_engine`
     to report."""
     with imports_kept():
-        from .endpoints import engine_side  # noqa: F401
-        from . import engine  # noqa: F401
+        from ..endpoints import engine_side  # noqa: F401
 
         for module in (VLLM_ENTRY_MODULE, *modules):
             with contextlib.suppress(ImportError):
@@ -548,7 +556,7 @@ def import_engine(modules: Sequence[str] = ()) -> None:
 
 
 def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
-    """In a process started for several CPU slots (see :func:`~spark_llm.engine_service.prestart_slots`), once vLLM
+    """In a process started for several CPU slots (see :func:`~spark_llm.engine_host.client.prestart_slots`), once vLLM
     is imported: fork an engine process per slot and return, in each, its slot and this process's pid; this process
     records each as its slot's starting server and exits. A slot whose record no longer names this process (its
     start was called off: another engine took the slot) gets none. An engine start on a CPU is mostly imports
@@ -564,12 +572,12 @@ def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
         pid = os.fork()
         if pid == 0:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            log_fd = os.open(slot.path(".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            log_fd = os.open(slot.path(SlotFile.LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             os.dup2(log_fd, 1)
             os.dup2(log_fd, 2)
             os.close(log_fd)
             return slot, me
-        _write_private(slot.path(".starting"), {**record, "pid": pid, "launcher": me})
+        write_private(slot.path(SlotFile.STARTING), {**record, **process_record(pid), "launcher": me})
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os._exit(0)
 
@@ -580,8 +588,7 @@ def tokenizer_class_decided(settings: dict) -> Any:
     (:func:`~spark_llm.tokens.deciding_tokenizer_class`): this process imports transformers' configuration classes,
     and torch, anyway, where each of them would import them for that alone. A local model directory only (a URI's
     copies differ between the engine and the counting)."""
-    from .engine import EngineSpec
-    from .tokens import deciding_tokenizer_class
+    from ..tokens import deciding_tokenizer_class
 
     path = EngineSpec(settings).tokenizer
     return deciding_tokenizer_class(path) if isinstance(path, str) and os.path.isdir(path) else contextlib.nullcontext()
@@ -590,13 +597,13 @@ def tokenizer_class_decided(settings: dict) -> Any:
 def _record_of(slot: Slot, pid: int) -> Optional[dict]:
     """The slot's starting record, once its starter has written it, if it names process ``pid``."""
     deadline = time.monotonic() + RECORD_WAIT_SECONDS
-    while (record := _starting_record(slot)) is None and time.monotonic() < deadline:
+    while (record := slot.starting_record()) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     return record if record is not None and record.get("pid") == pid else None
 
 
 def serve(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m spark_llm.engine_server")
+    p = argparse.ArgumentParser(prog="python -m spark_llm.engine_host.server")
     p.add_argument("--slot", action="append", required=True,
                    help="the slot to serve; given more than once (CPU slots only), a forked process serves each")
     p.add_argument("--devices", default="")
@@ -618,24 +625,24 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     else:
         slot = Slot(args.slot[0], tuple(d for d in args.devices.split(",") if d))
     server = EngineServer(slot, args.key, args.watch_pid, args.idle_timeout)
+    threading.Thread(target=server.watch, name="watch", daemon=True).start()
     device_locks = []
     for device in slot.devices:  # held until the process ends: never two engines on one device
         deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
-        while (fd := _try_lock(engine_dir() / f"device-{device}.lock")) is None:
+        while (fd := try_lock(device_lock(device))) is None:
             if time.monotonic() > deadline:
-                slot.path(".error").write_text(f"GPU {device} is still held by another engine process after "
+                slot.path(SlotFile.ERROR).write_text(f"GPU {device} is still held by another engine process after "
                                                f"{STOP_TIMEOUT_SECONDS:.0f}s; see {engine_dir()}")
                 server.stop("device busy", code=1)
             time.sleep(0.2)
         device_locks.append(fd)
-    _event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
+    event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
 
     if launcher is None:
         t0 = time.monotonic()
         with tokenizer_class_decided(settings):
             import_engine()
-    from .endpoints.engine_side import Parsers
-    from .engine import EngineSpec, build_engine
+    from ..endpoints.engine_side import Parsers
 
     spec = EngineSpec(settings=settings)
     try:
@@ -647,26 +654,25 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
                                  spec.settings.get("reasoning_parser"))
     except EngineStartError as exc:
         log.error("engine for slot %s could not start: %s", slot.name, exc)
-        slot.path(".error").write_text(str(exc))
+        slot.path(SlotFile.ERROR).write_text(str(exc))
         server.stop("engine could not start", code=1)
     load_s = time.monotonic() - t0
     threading.Thread(target=server.run, name="engine", daemon=True).start()
-    threading.Thread(target=server.watch, name="watch", daemon=True).start()
 
     from multiprocessing.connection import Listener
 
     authkey = os.urandom(16).hex()
     with contextlib.suppress(FileNotFoundError):
-        slot.path(".sock").unlink()
-    listener = Listener(str(slot.path(".sock")), family="AF_UNIX", authkey=authkey.encode())
-    info = {"pid": os.getpid(), "slot": slot.name, "devices": list(slot.devices), "key": args.key,
+        os.unlink(slot.socket())
+    listener = Listener(slot.socket(), family="AF_UNIX", authkey=authkey.encode())
+    info = {**process_record(os.getpid()), "slot": slot.name, "devices": list(slot.devices), "key": args.key,
             "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time(),
             **({"launcher": launcher} if launcher is not None else {})}
-    _write_private(slot.path(".json"), info)
+    write_private(slot.path(SlotFile.READY), info)
     with contextlib.suppress(OSError):
-        if (_starting_record(slot) or {}).get("pid") == os.getpid():
-            slot.path(".starting").unlink()
-    _event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
+        if (slot.starting_record() or {}).get("pid") == os.getpid():
+            slot.path(SlotFile.STARTING).unlink()
+    event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
            load_seconds=round(load_s, 3))
     log.info("engine for slot %s ready in %.1fs", slot.name, load_s)
     while True:
@@ -679,7 +685,4 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    # run from the imported module, not from __main__: what crosses the socket must pickle as spark_llm's classes
-    from spark_llm import engine_server
-
-    sys.exit(engine_server.serve())
+    sys.exit(serve())

@@ -1,0 +1,270 @@
+"""Where a run's engines go: the GPUs a task owns, how many engines run at once and how many tasks feed each
+(:class:`EngineLayout`), the inference stage's resource profile, and the driver-side check of Spark's GPU settings.
+
+When Spark schedules GPUs, a task's ``TaskContext.resources()["gpu"].addresses`` are the devices it owns; its engine
+runs with ``CUDA_VISIBLE_DEVICES`` set to exactly those (:mod:`~spark_llm.engine_host.client`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from ..config import BatchConfig, ConfigError
+from ..errors import EngineStartError
+from .directory import Slot
+
+log = logging.getLogger(__name__)
+
+
+def select_gpus(task_resources: dict[str, Any] | None, tensor_parallel_size: int) -> Optional[list[str]]:
+    """GPU addresses this task owns, checked against the tensor parallel size; None when Spark assigned no GPUs
+    (CPU runs, or GPU scheduling off: then vLLM's own device choice applies)."""
+    if not task_resources or "gpu" not in task_resources:
+        return None
+    addresses = [str(a) for a in task_resources["gpu"].addresses]
+    if not addresses:
+        return None
+    if len(addresses) != tensor_parallel_size:
+        raise EngineStartError(
+            f"this Spark task was given {len(addresses)} GPU(s) {addresses} but tensor_parallel_size is "
+            f"{tensor_parallel_size}: set spark.task.resource.gpu.amount={tensor_parallel_size} so that one task owns "
+            f"exactly the GPUs of one engine")
+    return addresses
+
+
+def _amount(spark_conf: dict[str, str], key: str) -> float:
+    try:
+        return float(spark_conf.get(key) or 0)
+    except ValueError:
+        raise ConfigError(f"{key} is {spark_conf.get(key)!r}, not a number") from None
+
+
+def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) -> None:
+    """Driver-side check of Spark's GPU settings against the engine, one clear message per mistake: the GPUs of one
+    inference task are those of one engine (``tensor_parallel_size`` of them), or a share of one GPU (``1/N``, N
+    tasks feeding one engine)."""
+    task, executor = (_amount(spark_conf, f"spark.{k}.resource.gpu.amount") for k in ("task", "executor"))
+    if task and task != tensor_parallel_size and not (tensor_parallel_size == 1 and _shares(task)):
+        raise ConfigError(
+            f"spark.task.resource.gpu.amount is {spark_conf['spark.task.resource.gpu.amount']} but "
+            f"tensor_parallel_size is {tensor_parallel_size}: each inference task must own exactly the GPUs of one "
+            f"engine" + (" or, with one GPU per engine, 1/N of it (N tasks feeding it)" if tensor_parallel_size == 1
+                         else "") + f". Better, leave spark.task.resource.gpu.amount unset: spark_llm asks for the "
+            f"GPUs on the inference stage alone (stage-level scheduling; tasks_per_engine sets the share)")
+    if executor and executor < tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but executors have {executor:g} GPU(s) "
+                          f"(spark.executor.resource.gpu.amount): one engine's GPUs must be on one executor")
+    if task:
+        log.warning("spark.task.resource.gpu.amount is set for every stage, so reading, validation and token "
+                    "counting also run %g task(s) per GPU; leave it unset to let spark_llm ask for GPUs on the "
+                    "inference stage only", 1 / task if task < 1 else 1)
+    if executor and executor % tensor_parallel_size:
+        log.warning("executors have %g GPUs, not a multiple of tensor_parallel_size %d: %g of them stay idle",
+                    executor, tensor_parallel_size, executor % tensor_parallel_size)
+    if executor and not task and str(spark_conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true":
+        raise ConfigError(
+            "spark.dynamicAllocation.enabled is true: Spark gives a stage its own GPU share (the task resource profile "
+            "spark_llm puts on the inference stage) only with dynamic allocation off. Either set "
+            "spark.dynamicAllocation.enabled=false, or keep it on and set spark.task.resource.gpu.amount="
+            f"{tensor_parallel_size if tensor_parallel_size > 1 else '1/N (0.5 for two tasks per engine)'} so that every "
+            "stage asks for GPUs")
+    cores, cpus = executor_cores(spark_conf), int(_amount(spark_conf, "spark.task.cpus") or 1)
+    per_executor = int(executor // tensor_parallel_size) if executor else 0
+    if per_executor and cores is not None and cores // cpus < per_executor:
+        default = "" if spark_conf.get("spark.executor.cores") else ", spark.executor.cores unset: the default"
+        raise ConfigError(
+            f"executors have {executor:g} GPU(s), room for {per_executor} engine(s), but run {cores // cpus} task(s) "
+            f"at once ({cores} core(s){default}; spark.task.cpus={cpus}): the other GPUs would never get an engine. "
+            f"Set spark.executor.cores to at least {per_executor * cpus} ({2 * per_executor * cpus} for two tasks per "
+            f"engine)")
+    if per_executor and not task and cores is None and tensor_parallel_size == 1:
+        log.warning("spark.executor.cores is unset, so how many inference tasks an executor runs at once is not known "
+                    "here: each GPU's engine is fed by one task; set spark.executor.cores (at least %d) to let two "
+                    "tasks feed each engine", 2 * per_executor * cpus)
+    if executor and spark_conf.get("spark.executor.pyspark.memory"):
+        raise ConfigError("spark.executor.pyspark.memory limits the Python workers' address space (RLIMIT_AS), "
+                          "which breaks CUDA's memory reservations in the engine processes they start: unset it "
+                          "and size spark.executor.memoryOverhead instead")
+
+
+def _shares(amount: float) -> int:
+    """N when ``amount`` is 1/N of a GPU (N >= 2), else 0."""
+    if not 0 < amount <= 0.5:
+        return 0
+    n = round(1 / amount)
+    return n if math.isclose(n * amount, 1.0, rel_tol=1e-6) else 0
+
+
+@dataclass(frozen=True)
+class TaskPlace:
+    """Where a task feeds an engine: the slot of its GPUs (Spark's GPU scheduling), else the first free feed of a
+    local master's ``local_engines`` slots (each pinned to its group of ``local_devices`` where the host has GPUs
+    that Spark does not schedule, else a CPU slot), else an engine of its own. ``feeds``: tasks that feed one engine
+    at once."""
+
+    gpus: Optional[tuple[str, ...]] = None
+    local_engines: Optional[int] = None
+    local_devices: tuple[tuple[str, ...], ...] = ()
+    feeds: int = 1
+
+    def local_slots(self, executor: Optional[int] = None) -> list[Slot]:
+        """The local master's engine slots: one per device group, else ``local_engines`` CPU slots (of this
+        executor, or of ``executor``)."""
+        if self.local_devices:
+            return [Slot.for_gpus(group) for group in self.local_devices]
+        return [Slot.cpu(n, executor) for n in range(self.local_engines or 1)]
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Engines that run at once (across the cluster) and inference tasks that feed each of them at once
+    (:class:`~spark_llm.engine_host.client.Feed`), so :attr:`tasks` inference tasks run at once: what the partition
+    plan rounds to and a wave holds twice. ``local_engines``: the engines of a local master's host, where Spark's
+    scheduling does not bound them, else None; ``local_devices``: their GPUs, a group per engine, where the host
+    has GPUs."""
+
+    engines: int
+    feeds: int = 1
+    local_engines: Optional[int] = None
+    local_devices: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def tasks(self) -> int:
+        return self.engines * self.feeds
+
+    @property
+    def place(self) -> TaskPlace:
+        """Where this layout's inference tasks feed engines (their GPUs, if Spark assigns them any, added in the
+        task)."""
+        return TaskPlace(local_engines=self.local_engines, local_devices=self.local_devices, feeds=self.feeds)
+
+
+@dataclass(frozen=True)
+class LocalMaster:
+    """A local master's host: its task threads and the GPUs its engines may use (:func:`local_gpus`)."""
+
+    threads: int
+    gpus: tuple[str, ...] = ()
+
+
+def local_gpus() -> tuple[str, ...]:
+    """The GPUs of this host that a local master's engines may use, as ``CUDA_VISIBLE_DEVICES`` names them: that
+    variable's list where it is set, else the indices ``nvidia-smi`` lists (none without it)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return tuple(d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1")
+    if shutil.which("nvidia-smi") is None:
+        return ()
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(line.strip() for line in listed.splitlines() if line.strip().isdigit())
+
+
+def executor_cores(spark_conf: Mapping[str, str]) -> Optional[int]:
+    """Cores of an executor: ``spark.executor.cores``, else the cluster manager's default (1 on YARN and Kubernetes;
+    a ``local-cluster[N,C,M]`` worker's C); None where the default is a worker's every core (standalone)."""
+    if spark_conf.get("spark.executor.cores"):
+        return int(spark_conf["spark.executor.cores"])
+    master = spark_conf.get("spark.master", "")
+    if master.startswith(("yarn", "k8s://")):
+        return 1
+    match = re.fullmatch(r"local-cluster\[\s*\d+\s*,\s*(\d+)\s*,\s*\d+\s*\]", master.strip())
+    return int(match.group(1)) if match else None
+
+
+def engine_layout(spark_conf: Mapping[str, str], *, engines: Optional[int], tasks_per_engine: int,
+                  tensor_parallel_size: int, parallelism: Callable[[], int],
+                  local: Optional[LocalMaster] = None) -> EngineLayout:
+    """The layout of a run's engines (``engines``: the configured number, else derived):
+
+    - GPU scheduling: executors x (executor GPUs // tensor_parallel_size) engines; with one GPU per engine,
+      ``tasks_per_engine`` tasks share each GPU, as many as the executor's cores take (:func:`executor_cores`:
+      Spark gives a GPU's shares to tasks first come, first served, so tasks that do not fit every GPU would leave
+      the last GPUs without an engine); a tensor-parallel group is fed by one task (Spark cannot give two tasks one
+      set of several GPUs). A fraction set for every stage (``spark.task.resource.gpu.amount``) decides the share
+      instead.
+    - a local master (``local``): one engine per group of ``tensor_parallel_size`` of the host's GPUs, each pinned
+      to them; without GPUs, the engines (default: the parallelism) share its cores; each fed by up to
+      ``tasks_per_engine`` of its task threads.
+    - other clusters without GPUs: an engine per running task.
+    """
+    conf = dict(spark_conf)
+    task, executor = (_amount(conf, f"spark.{k}.resource.gpu.amount") for k in ("task", "executor"))
+    if executor:
+        per_executor = max(1, int(executor // tensor_parallel_size))
+        executors = int(conf.get("spark.executor.instances", "0") or 0) or int(
+            conf.get("spark.dynamicAllocation.maxExecutors", "0") or 0)
+        if task:
+            feeds = _shares(task) if tensor_parallel_size == 1 else 1
+        else:
+            feeds = tasks_per_engine if tensor_parallel_size == 1 else 1
+            cores, cpus = executor_cores(conf), int(_amount(conf, "spark.task.cpus") or 1)
+            # cores unknown (a standalone executor takes its worker's): one task per GPU, which any core count runs
+            feeds = min(feeds, cores // (cpus * per_executor)) if cores else 1
+        feeds = max(1, feeds)
+        count = engines or (executors * per_executor if executors else max(1, parallelism() // feeds))
+        return EngineLayout(count, feeds)
+    if local is not None:
+        groups = [local.gpus[i:i + tensor_parallel_size]
+                  for i in range(0, len(local.gpus) - tensor_parallel_size + 1, tensor_parallel_size)]
+        if groups:
+            groups = groups[:engines] if engines else groups
+            count = len(groups)
+        else:
+            count = engines or max(1, parallelism())
+        return EngineLayout(count, max(1, min(tasks_per_engine, local.threads // count)), local_engines=count,
+                            local_devices=tuple(tuple(g) for g in groups))
+    return EngineLayout(engines or max(1, parallelism()))
+
+
+def has_gpus(spark_conf: dict[str, str]) -> bool:
+    """Executors have GPUs (Spark's GPU scheduling is on)."""
+    return _amount(spark_conf, "spark.executor.resource.gpu.amount") > 0
+
+
+def config_layout(cfg: BatchConfig, spark_conf: Mapping[str, str], parallelism: Callable[[], int],
+                  local_threads: Optional[int]) -> EngineLayout:
+    """:func:`engine_layout` of model ``cfg`` in a session with settings ``spark_conf`` (a local master's with
+    ``local_threads`` task threads, whose host's GPUs its engines use unless Spark schedules GPUs)."""
+    local = None
+    if local_threads:
+        local = LocalMaster(local_threads, () if has_gpus(dict(spark_conf)) else local_gpus())
+    return engine_layout(spark_conf, engines=cfg.num_task_slots, tasks_per_engine=cfg.tasks_per_engine,
+                         tensor_parallel_size=cfg.tensor_parallel_size, parallelism=parallelism, local=local)
+
+
+def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int, feeds: int = 1) -> Any:
+    """The ResourceProfile of the inference stage: ``tensor_parallel_size`` GPUs per task, or 1/``feeds`` of one GPU
+    (that many tasks feeding its engine), so that only that stage asks for GPUs (Spark's stage-level scheduling);
+    None when executors have no GPUs or every task already asks for them (``spark.task.resource.gpu.amount``)."""
+    if not _amount(spark_conf, "spark.executor.resource.gpu.amount") or \
+            _amount(spark_conf, "spark.task.resource.gpu.amount"):
+        return None
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+    cpus = int(_amount(spark_conf, "spark.task.cpus") or 1)
+    gpus = 1.0 / feeds if tensor_parallel_size == 1 and feeds > 1 else tensor_parallel_size
+    requests = TaskResourceRequests().cpus(cpus).resource("gpu", gpus)
+    return ResourceProfileBuilder().require(requests).build
+
+
+def task_gpus(tensor_parallel_size: int) -> Optional[list[str]]:
+    """The GPU addresses Spark assigned the running task (None outside Spark or without GPU scheduling)."""
+    try:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        resources = ctx.resources() if ctx is not None else None
+    except Exception:  # outside Spark
+        resources = None
+    return select_gpus(resources, tensor_parallel_size)

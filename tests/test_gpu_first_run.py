@@ -1,0 +1,295 @@
+"""What a first run on a real GPU cluster would hit, each shown on this CPU machine: the settings check (dynamic
+allocation, too few executor cores), the vLLM version floor, a local master on a host with several GPUs, a sticky
+device error, a hung engine, an engine that outlives its executor while loading, the idle clock, one bad GPU, stale
+records and reused pids, the engine directory's trust and socket length, shared memory for tensor parallelism, and
+vLLM's own batch defaults."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from test_engine_unit import FakeLLM, Serving, request, until
+
+from spark_llm.config import BatchConfig, ConfigError
+from spark_llm.engine_host import (ENGINE_DIR_ENV, VLLM_MIN_VERSION, EngineDied, EngineSpec, ProcessSettings, Slot,
+                                   TaskPlace)
+from spark_llm.engine_host.placement import check_gpu_settings, config_layout, engine_layout
+from spark_llm.errors import EngineStartError
+
+GPUS_2 = {"spark.executor.resource.gpu.amount": "2"}
+
+
+def test_dynamic_allocation_with_stage_level_gpus_stops_at_the_settings_check_with_what_to_set():
+    with pytest.raises(ConfigError, match="spark.dynamicAllocation.enabled=false.*spark.task.resource.gpu.amount"):
+        check_gpu_settings({**GPUS_2, "spark.executor.cores": "4", "spark.dynamicAllocation.enabled": "true"}, 1)
+    # the way that works with it on: every stage asks for its share of a GPU
+    check_gpu_settings({**GPUS_2, "spark.executor.cores": "4", "spark.dynamicAllocation.enabled": "true",
+                        "spark.task.resource.gpu.amount": "0.5"}, 1)
+
+
+def test_executors_with_fewer_cores_than_gpus_stop_at_the_settings_check():
+    with pytest.raises(ConfigError, match="spark.executor.cores unset.*at least 2"):
+        check_gpu_settings({**GPUS_2, "spark.master": "yarn"}, 1)  # YARN's and Kubernetes' default: one core
+    check_gpu_settings({**GPUS_2, "spark.master": "yarn", "spark.executor.cores": "2"}, 1)
+
+
+def test_with_cores_for_one_task_per_gpu_each_task_gets_a_whole_gpu_so_every_gpu_gets_an_engine():
+    """local-cluster[1,2,...] with two GPUs: two half-GPU tasks would both land on GPU 0 (Spark fills the first GPU's
+    shares first); one task per GPU uses both."""
+    def layout(conf):
+        return engine_layout(conf, engines=None, tasks_per_engine=2, tensor_parallel_size=1, parallelism=lambda: 2)
+    assert layout({**GPUS_2, "spark.master": "local-cluster[1,2,2048]"}).feeds == 1
+    assert layout({**GPUS_2, "spark.master": "local-cluster[1,4,2048]"}).feeds == 2
+    assert layout({**GPUS_2, "spark.executor.cores": "2"}).feeds == 1
+
+
+def test_an_older_vllm_is_refused_at_the_engine_start_naming_the_version_needed(tmp_path, monkeypatch):
+    """A vLLM without ``LLM.enqueue`` (before 0.17): the engine process refuses to start with one message; the batch
+    stops there instead of turning every request into an engine_error row."""
+    from spark_llm.engine_host import engine_for
+
+    stub = tmp_path / "old-vllm" / "vllm"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("class LLM:\n    def generate(self, *a, **k):\n        return []\n")
+    monkeypatch.setenv("PYTHONPATH", f"{stub.parent}{os.pathsep}{ROOT}")
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path / "engines"))
+    spec = EngineSpec.from_config(BatchConfig(model=str(tmp_path / "model"), max_model_len=64))
+    with pytest.raises(EngineStartError, match=rf"older than spark_llm needs: install vllm>={VLLM_MIN_VERSION}"):
+        with engine_for(spec, ProcessSettings(0, "WARNING"), TaskPlace(local_engines=1)):
+            pass
+
+
+def test_the_version_floor_is_the_one_pyproject_and_the_examples_install():
+    floor = f"vllm>={VLLM_MIN_VERSION}"
+    assert f'"{floor}"' in (ROOT / "pyproject.toml").read_text()
+    named = re.findall(r"vllm>=[0-9.]+", "".join(p.read_text() for p in (ROOT / "examples").iterdir() if p.is_file()))
+    assert named and set(named) == {floor}
+
+
+def test_a_local_master_on_a_host_with_gpus_runs_one_engine_per_gpu_each_pinned(tmp_path, monkeypatch):
+    from spark_llm import host
+    from spark_llm.engine_host import Executor, prestart_slots
+    from spark_llm.engine_host import client as engine_client
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    conf = {"spark.master": "local[4]"}
+    layout = config_layout(BatchConfig(model="/m", max_model_len=64), conf, lambda: 4, 4)
+    assert (layout.engines, layout.feeds, layout.local_devices) == (2, 2, (("0",), ("1",)))
+    slots = layout.place.local_slots()
+    assert [(s.name, s.devices) for s in slots] == [("gpu-0", ("0",)), ("gpu-1", ("1",))]
+    tp2 = config_layout(BatchConfig(model="/m", max_model_len=64, tensor_parallel_size=2), conf, lambda: 4, 4)
+    assert tp2.local_devices == (("0", "1"),)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # what the host lets this process see wins
+    assert config_layout(BatchConfig(model="/m", max_model_len=64), conf, lambda: 4, 4).local_devices == \
+        (("2",), ("3",))
+
+    spawned = []
+
+    class Popen:  # the engine processes, not started
+        def __init__(self, cmd, env, **kwargs):
+            spawned.append(env)
+            self.pid = 4242 + len(spawned)
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path / "engines"))
+    monkeypatch.setattr(engine_client.subprocess, "Popen", Popen)
+    monkeypatch.setattr(host, "process_alive", lambda pid: False)
+    spec = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64))
+    assert prestart_slots(spec, ProcessSettings(0, "WARNING"), slots, Executor(os.getpid(), {})) == slots
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in spawned] == ["0", "1"]  # each engine on its own GPU
+
+
+def test_a_sticky_device_error_in_a_step_is_an_engine_death_not_every_request_s_error():
+    from spark_llm.engine_host.isolation import is_fatal
+
+    assert is_fatal(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_fatal(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB")) and not is_fatal(ValueError())
+    serving = Serving(FakeLLM(step_fails=1, failure=RuntimeError(
+        "CUDA error: an illegal memory access was encountered\nCompile with TORCH_USE_CUDA_DSA")))
+    with pytest.raises(EngineDied, match="illegal memory access"):
+        serving.client().stream([request(t) for t in range(10, 14)], lambda i, r: None)
+    until(lambda: serving.stopped)
+    assert serving.stopped[0][1] == 1  # the process goes: its tasks rebuild the engine
+
+
+class Hung(FakeLLM):
+    def step(self):
+        threading.Event().wait()  # a kernel that never returns
+
+
+def test_a_hung_engine_ends_the_call_after_the_call_timeout_and_a_slow_one_does_not(monkeypatch):
+    from spark_llm.engine_host.client import EngineHung
+
+    client = Serving(Hung()).client()
+    client._process = ProcessSettings(0, "WARNING", engine_call_timeout_seconds=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(EngineHung, match="sent nothing for 1s"):
+        client.stream([request(10)], lambda i, r: None)
+    assert time.monotonic() - t0 < 10
+    # a working engine whose answer takes longer than the timeout is heard from between its steps
+    monkeypatch.setattr("spark_llm.engine_host.server.HEARTBEAT_SECONDS", 0.2)
+    slow = Serving(FakeLLM(step_seconds=0.5)).client()
+    slow._process = ProcessSettings(0, "WARNING", engine_call_timeout_seconds=1.0)
+    got = []
+    slow.stream([request(t) for t in range(10, 14)], lambda i, r: got.append(i))  # about 2 s of steps
+    assert sorted(got) == [0, 1, 2, 3]
+
+
+def test_the_idle_clock_starts_with_the_first_call(monkeypatch):
+    """An engine loaded ahead of a batch waits for it however long the driver prepares it; once used, it stops
+    after the idle timeout."""
+    serving = Serving(FakeLLM())
+    serving.server.watch_pid, serving.server.idle_timeout = os.getpid(), 1.0
+    threading.Thread(target=serving.server.watch, daemon=True).start()
+    time.sleep(3.5)
+    assert serving.stopped == []
+    serving.client().stream([request(10)], lambda i, r: None)
+    until(lambda: serving.stopped, seconds=6)
+    assert serving.stopped and serving.stopped[0][0].startswith("idle for")
+
+
+def test_a_gpu_whose_engine_cannot_start_fails_its_own_tasks_at_once_not_the_other_gpus(tmp_path, monkeypatch):
+    from spark_llm.engine_host import client as engine_client
+    from spark_llm.engine_host import engine_for
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    tried = []
+
+    def serving(slot, spec, process, dead=None):
+        tried.append(slot.name)
+        if slot.name == "gpu-0":
+            raise EngineStartError("CUDA error: uncorrectable ECC error on GPU 0")
+        return {"pid": 0, "key": spec.key}, True, False
+    monkeypatch.setattr(engine_client, "_serving", serving)
+    monkeypatch.setattr(engine_client, "connect_or_gone", lambda slot, info: None)
+    spec, process = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64)), ProcessSettings(0, "WARNING")
+    for _ in range(2):  # the retry fails at once, without loading the model again
+        with pytest.raises(EngineStartError, match="ECC"):
+            with engine_for(spec, process, TaskPlace(gpus=("0",)), "run-1"):
+                pass
+    with engine_for(spec, process, TaskPlace(gpus=("1",)), "run-1") as engine:
+        assert engine.slot.name == "gpu-1"
+    assert tried == ["gpu-0", "gpu-1"]
+
+
+def test_a_record_whose_pid_now_names_another_process_is_never_signalled(tmp_path, monkeypatch):
+    from spark_llm.engine_host.client import engines_here, stop_engines_on
+    from spark_llm.engine_host.directory import process_record
+    from spark_llm.host import write_private
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        slot = Slot("cpu-1-0")
+        record = {**process_record(other.pid), "key": "k", "devices": []}
+        write_private(slot.path(".json"), {**record, "pid_started": record["pid_started"] - 1})  # an older process
+        t0 = time.monotonic()
+        assert engines_here() == []
+        stop_engines_on(slot)
+        assert time.monotonic() - t0 < 5 and other.poll() is None
+        # recorded as it is, it is the engine: spark-llm engines stop stops it (it is starting: no socket yet)
+        write_private(slot.path(".starting"), record)
+        from spark_llm.cli import main
+
+        assert main(["engines", "stop"]) == 0
+        assert other.wait(10) is not None
+    finally:
+        other.kill()
+
+
+def test_an_engine_directory_that_is_a_link_or_another_user_s_is_refused(tmp_path, monkeypatch):
+    from spark_llm.engine_host import engine_dir
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path / "link"))
+    with pytest.raises(EngineStartError, match="symbolic link"):
+        engine_dir()
+    if os.getuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        monkeypatch.setenv(ENGINE_DIR_ENV, str(theirs))
+        with pytest.raises(EngineStartError, match="belongs to user id 65534"):
+            engine_dir()
+
+
+def test_a_slot_s_socket_fits_the_unix_limit_whatever_the_engine_directory_s_length(tmp_path, monkeypatch):
+    from multiprocessing.connection import Client, Listener
+
+    deep = tmp_path / ("engines-" + "d" * 150)
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(deep))
+    slot = Slot.for_gpus(["0", "1", "2", "3"])
+    path = slot.socket()
+    assert len(path) <= 107 and path == slot.socket()
+    with Listener(path, family="AF_UNIX", authkey=b"k") as listener:
+        threading.Thread(target=lambda: listener.accept().send("ok"), daemon=True).start()
+        assert Client(path, family="AF_UNIX", authkey=b"k").recv() == "ok"
+
+
+def test_too_little_shared_memory_for_tensor_parallelism_is_one_clear_engine_start_error(monkeypatch):
+    from spark_llm.engine_host import spec
+
+    monkeypatch.setattr(spec.shutil, "disk_usage", lambda path: type("U", (), {"total": 64 << 20})())
+    spec.check_shared_memory(1)  # one GPU per engine: no tensors exchanged
+    with pytest.raises(EngineStartError, match=r"/dev/shm is 64 MiB.*--shm-size"):
+        spec.check_shared_memory(2)
+
+
+def test_the_engine_batch_is_vllm_s_default_for_the_gpu_unless_set():
+    kwargs = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64)).llm_kwargs()
+    assert "max_num_seqs" not in kwargs and "max_num_batched_tokens" not in kwargs
+    kwargs = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64, max_num_seqs=512,
+                                                max_num_batched_tokens=8192)).llm_kwargs()
+    assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (512, 8192)
+
+
+@pytest.mark.engine
+def test_an_engine_stops_while_loading_when_its_executor_is_gone(tiny_model, tmp_path, monkeypatch):
+    from spark_llm.engine_host import Executor, prestart, read_events
+    from spark_llm.host import process_alive
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    executor = subprocess.Popen(["sleep", "60"])
+    spec = EngineSpec.from_config(BatchConfig(model=tiny_model, max_model_len=256, dtype="float32",
+                                              enforce_eager=True))
+    slot = Slot.cpu(0, executor=executor.pid)
+    assert prestart(spec, ProcessSettings(0, "WARNING"), slot, Executor(executor.pid, dict(os.environ)))
+    engine_pid = slot.starting()["pid"]
+    until(lambda: any(e["event"] == "start" for e in read_events(tmp_path)), seconds=30)
+    executor.kill()
+    executor.wait()
+    until(lambda: not process_alive(engine_pid), seconds=30)
+    assert not process_alive(engine_pid)
+    events = [e["event"] for e in read_events(tmp_path)]
+    assert "ready" not in events and events[-1] == "stop", events
+    assert "while the engine loaded" in Path(tmp_path / "events.jsonl").read_text()
+
+
+def test_a_notebook_frees_the_gpus_of_its_host_s_engines_now(tmp_path, monkeypatch):
+    import spark_llm
+    from spark_llm.engine_host.directory import process_record
+    from spark_llm.host import write_private
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
+    engine = subprocess.Popen(["sleep", "60"])  # stands in for an engine process still loading
+    try:
+        write_private(Slot("gpu-0", ("0",)).path(".starting"), {**process_record(engine.pid), "key": "k",
+                                                                  "devices": ["0"]})
+        assert spark_llm.stop_engines() == ["gpu-0"]
+        assert engine.wait(10) is not None
+    finally:
+        engine.kill()
