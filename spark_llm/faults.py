@@ -13,6 +13,8 @@ The value is one or more faults separated by ``;``:
   feeder).
 - ``kill_executor_once:<marker path>:<custom_id>`` (executors): the task kills its executor's JVM (``SIGKILL``)
   once, as an engine call holding that request starts: an executor lost mid-wave.
+- ``kill_node_once:<marker path>:<custom_id>`` (executors of a standalone cluster): as ``kill_executor_once``, and
+  the executor's parent, its worker daemon, first: a node lost mid-wave.
 - ``exit_after_wave:<N>`` (driver): the driver exits hard right after committing wave N.
 """
 
@@ -45,6 +47,15 @@ def _first_time(marker: str) -> bool:
         return False
 
 
+def _parent(pid: int) -> Optional[int]:
+    """The parent of process ``pid`` (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def maybe_kill_worker(custom_ids: Collection[str]) -> None:
     """``kill_worker_once``: called by an inference task after its engine call."""
     for args in _faults("kill_worker_once"):
@@ -61,6 +72,18 @@ def before_engine_call(custom_ids: Collection[str]) -> None:
     for args in _faults("crash_on_custom_id"):
         if args[0] in custom_ids:
             log.error("fault injection: Python worker %d dies with %r in flight", os.getpid(), args[0])
+            os._exit(137)
+    for args in _faults("kill_node_once"):
+        if len(args) > 1 and args[1] in custom_ids and _first_time(args[0]):
+            from .engine_host.directory import executor_pid
+
+            executor = executor_pid()
+            worker = _parent(executor)
+            log.error("fault injection: killing worker %s and executor JVM %d with %r in flight", worker, executor,
+                      args[1])
+            if worker:
+                os.kill(worker, signal.SIGKILL)
+            os.kill(executor, signal.SIGKILL)
             os._exit(137)
     for args in _faults("kill_executor_once"):
         if len(args) > 1 and args[1] in custom_ids and _first_time(args[0]):
