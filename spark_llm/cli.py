@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any, Optional, Sequence
 
 from .config import BatchConfig, ConfigError, new_batch_id, spark_conf_from_yaml
@@ -139,7 +140,21 @@ def _plans_locally(args: argparse.Namespace, config: BatchConfig) -> bool:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C or SIGTERM: silence the JVM's log first (the run cancels its Spark jobs next, and Spark would log each
+    aborted write with a stack trace), then end the run as cancelled. From a thread of its own: the main thread may
+    be inside a call into the JVM on its connection."""
+    silencing = threading.Thread(target=_silence_spark, daemon=True)
+    silencing.start()
+    silencing.join(5)
     raise KeyboardInterrupt
+
+
+def _silence_spark() -> None:
+    with contextlib.suppress(Exception):
+        from pyspark import SparkContext
+
+        if SparkContext._active_spark_context is not None:
+            SparkContext._active_spark_context.setLogLevel("OFF")
 
 
 def engines_from_args(args: argparse.Namespace) -> int:
@@ -163,7 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .service.server import serve_from_args
 
         return serve_from_args(args)
-    signal.signal(signal.SIGTERM, _interrupt)  # a batch stopped by its scheduler ends as cancelled, as on Ctrl-C
+    # a batch stopped by its scheduler (SIGTERM) ends as cancelled, as on Ctrl-C
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _interrupt)
     return run_from_args(args)
 
 
