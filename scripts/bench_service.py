@@ -6,12 +6,21 @@
 (b) created -> completed of a large batch (default 2,000 lines) on the warm server, alternating with a cold
     ``spark-llm run`` of the same file (a whole process: session start, engines, the run), ``--repeat`` pairs;
     ``service_vs_cli=`` is the median of the pairs' cli/service ratios (above 1: the service is faster);
-(c) ``--queued`` small batches created at once: ``batches_per_minute=`` from the first create to the last batch done.
+(c) ``--queued`` small batches created at once: ``batches_per_minute=`` from the first create to the last batch done;
+(d) a small batch with ``metadata={"priority": "high"}`` created while a ``--priority-large``-line batch runs (the
+    server runs one batch at a time, and one high-priority batch beside): ``high_priority_vs_idle=`` is its
+    created -> completed over the median of (a) (goal: at most 2).
 
 Same model, engine settings, engines and torch threads per engine for the server and the command line.
 
+``--servers N`` measures the service alone instead: ``--burst`` small batches created by 20 concurrent clients
+against one server, then against N servers on one PostgreSQL database (scripts/postgres_server.py) and one
+storage root, each client on one server; ``batches_per_minute=`` and ``requests_per_second=`` from the first create
+to the last batch done, per configuration, and ``servers_vs_one=`` their ratio.
+
     python scripts/bench_service.py                                  # CPU, the tiny model built on the fly
     python scripts/bench_service.py --repeat 5 --queued 50
+    python scripts/bench_service.py --servers 2 --burst 200
     # on a GPU node (ordinary vllm installed), an 8B model, one engine per GPU:
     python scripts/bench_service.py --model /models/llama-3.1-8b --large 20000 --max-num-seqs 256 \\
         --master local[8] --slots 8 --no-enforce-eager
@@ -71,7 +80,11 @@ def main(argv=None) -> int:
     p.add_argument("--master", default="local[2]")
     p.add_argument("--slots", type=int, default=2, help="engines (task slots), of the server and the command line")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (OMP_NUM_THREADS)")
-    p.add_argument("--skip", choices=["small", "large", "queued"], action="append", default=[])
+    p.add_argument("--priority-large", type=int, default=20000, help="lines of the batch (d)'s runs beside")
+    p.add_argument("--skip", choices=["small", "large", "queued", "priority"], action="append", default=[])
+    p.add_argument("--servers", type=int, default=0, help="measure 1 against this many servers on PostgreSQL")
+    p.add_argument("--burst", type=int, default=200, help="batches the 20 clients create (with --servers)")
+    p.add_argument("--clients", type=int, default=20)
     args = p.parse_args(argv)
     import openai
 
@@ -99,6 +112,8 @@ def main(argv=None) -> int:
               "--default-max-tokens", str(args.max_tokens), "--config", str(conf),
               "--enforce-eager" if args.enforce_eager else "--no-enforce-eager"]
     spark_llm = str(Path(sys.executable).parent / "spark-llm")
+    if args.servers:
+        return servers_bench(args, [spark_llm, "serve", *shared], small, work)
     port = free_port()
     log = open(work / "server.log", "wb")
     server = subprocess.Popen([spark_llm, "serve", "--storage", str(work / "service"), "--port", str(port), *shared],
@@ -142,9 +157,123 @@ def main(argv=None) -> int:
             minutes = (time.monotonic() - t0) / 60
             print(f"(c) {args.queued} batches of {args.small} lines queued at once: all done in {minutes * 60:.1f} s\n"
                   f"batches_per_minute={args.queued / minutes:.1f}")
+        if "priority" not in args.skip:
+            big = work / "priority-large.jsonl"
+            write_requests(big, args.priority_large, name, args.max_tokens, "short", seed=2)
+            big_batch = client.batches.create(input_file_id=client.files.create(file=big.open("rb"),
+                                                                                purpose="batch").id,
+                                              endpoint="/v1/chat/completions", completion_window="24h")
+            while client.batches.retrieve(big_batch.id).request_counts.completed == 0:
+                time.sleep(0.2)
+            t0 = time.monotonic()
+            urgent = client.batches.create(input_file_id=small_id, endpoint="/v1/chat/completions",
+                                           completion_window="24h", metadata={"priority": "high"})
+            while (state := client.batches.retrieve(urgent.id)).status not in FINAL:
+                time.sleep(0.05)
+            waited = time.monotonic() - t0
+            idle = statistics.median(walls) if "small" not in args.skip else warm
+            big_state = client.batches.retrieve(big_batch.id)
+            print(f"(d) {args.small} high-priority lines while a {args.priority_large}-line batch runs: {waited:.2f} s "
+                  f"({state.status}; the large batch {big_state.status}, {big_state.request_counts.completed} done)\n"
+                  f"high_priority_vs_idle={waited / idle:.2f}")
+            client.batches.cancel(big_batch.id)
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=120)
+    print(f"work directory: {work}")
+    return 0
+
+
+class Serving:
+    """``count`` servers of one database and storage root (``database``: None for one server's own SQLite)."""
+
+    def __init__(self, command: list[str], work: Path, count: int, database: str | None):
+        self.procs, self.ports = [], []
+        for n in range(count):
+            port = free_port()
+            extra = ["--database-url", database, "--server-id", f"s{n}"] if database else []
+            log = open(work / f"server-{n}.log", "wb")
+            self.procs.append(subprocess.Popen([*command, "--storage", str(work / "service"), "--port", str(port),
+                                                *extra], stdout=log, stderr=subprocess.STDOUT, cwd=work,
+                                               start_new_session=True))
+            self.ports.append(port)
+
+    def clients(self) -> list:
+        import openai
+
+        return [openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key="none", max_retries=3) for p in self.ports]
+
+    def wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        for port, proc in zip(self.ports, self.procs):
+            while True:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    sys.exit("a server did not become ready; see its log")
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            os.killpg(proc.pid, 15)
+        for proc in self.procs:
+            proc.wait(timeout=120)
+
+
+def burst(clients: list, source: Path, batches: int, threads: int, lines: int) -> tuple[float, float]:
+    """``batches`` batches of ``source`` created by ``threads`` concurrent clients (client k on server k mod n), all
+    waited for: (batches a minute, requests a second) from the first create to the last batch done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = [c.files.create(file=source.open("rb"), purpose="batch").id for c in clients]
+    for client, file_id in zip(clients, files):  # every server's engines up
+        run_batch_through(client, file_id)
+    t0 = time.monotonic()
+
+    def create(n: int) -> tuple[int, str]:
+        k = n % len(clients)
+        return k, clients[k].batches.create(input_file_id=files[k], endpoint="/v1/chat/completions",
+                                            completion_window="24h").id
+    with ThreadPoolExecutor(threads) as pool:
+        created = list(pool.map(create, range(batches)))
+        pending = set(created)
+        while pending:
+            time.sleep(0.5)
+            states = dict(zip(pending, pool.map(lambda kb: clients[kb[0]].batches.retrieve(kb[1]).status, pending)))
+            failed = [kb for kb, s in states.items() if s in FINAL and s != "completed"]
+            if failed:
+                sys.exit(f"batch {failed[0][1]} ended {states[failed[0]]}")
+            pending = {kb for kb, s in states.items() if s not in FINAL}
+    seconds = time.monotonic() - t0
+    return batches / seconds * 60, batches * lines / seconds
+
+
+def servers_bench(args, command: list[str], small: Path, work: Path) -> int:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from postgres_server import Postgres
+
+    figures = {}
+    for count in (1, args.servers):
+        database = Postgres().start() if count > 1 else None
+        home = work / f"servers-{count}"
+        home.mkdir()
+        serving = Serving(command, home, count, database.url if database else None)
+        try:
+            serving.wait_ready()
+            per_minute, per_second = burst(serving.clients(), small, args.burst, args.clients, args.small)
+        finally:
+            serving.stop()
+            if database:
+                database.stop()
+        figures[count] = per_minute
+        print(f"{count} server(s): {args.burst} batches of {args.small} lines from {args.clients} clients: "
+              f"batches_per_minute={per_minute:.1f} requests_per_second={per_second:.1f}")
+    print(f"servers_vs_one={figures[args.servers] / figures[1]:.3f}")
     print(f"work directory: {work}")
     return 0
 

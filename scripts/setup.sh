@@ -21,6 +21,19 @@ if [[ -f $VENV/.setup-stamp && "$(cat $VENV/.setup-stamp)" == "$stamp" ]] && $VE
 fi
 
 command -v java >/dev/null || { echo "setup: Java (17+) is required by Spark; install a JDK first" >&2; exit 1; }
+# Debian packages the service's tests use: PostgreSQL's server (several servers on one database) and Chromium (the
+# dashboard in a real browser, driven by Playwright)
+missing=()
+compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || missing+=(postgresql)
+command -v chromium >/dev/null || missing+=(chromium)
+if (( ${#missing[@]} )); then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null; }
+  else
+    echo "setup: missing ${missing[*]} (Debian packages): the service's PostgreSQL and browser tests need them" >&2
+  fi
+fi
 [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip

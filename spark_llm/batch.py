@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 #: errors.data codes of a batch that stopped (row-level problems never stop a batch).
 BATCH_FAILURE_CODES = {EngineStartError: "engine_start_failed", ConfigError: "invalid_config"}
+#: A batch the service refused before it ran: its key's unfinished batches hold more input tokens than its limit
+#: (OpenAI's code for the same).
+TOKEN_LIMIT_EXCEEDED = "token_limit_exceeded"
 
 
 #: finish_unanswered (the code its unanswered requests get) -> the status of the batch it ends.

@@ -35,6 +35,15 @@ def kill_marker(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for this test run (scripts/postgres_server.py): its ``url`` has a database of its
+    own."""
+    server = _load_script("postgres_server").Postgres().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def engine_dir(tmp_path_factory) -> Path:
     """This test run's engine directory (spark_llm.engine_host): its engines and their records."""
     return tmp_path_factory.mktemp("engines")

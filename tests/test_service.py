@@ -5,6 +5,7 @@ batches.retrieve -> files.content, with two API keys, cancels, an expired window
 from __future__ import annotations
 
 import collections
+import re
 import json
 import os
 import signal
@@ -41,8 +42,8 @@ class Server:
     """``spark-llm serve`` in a process group of its own (its JVM and engines with it), restartable on the same
     storage; every group it ever had is killed at the end."""
 
-    def __init__(self, root: Path, model: str):
-        self.root, self.storage = root, root / "storage"
+    def __init__(self, root: Path, model: str, storage: Path | None = None, extra: tuple[str, ...] = ()):
+        self.root, self.storage, self.extra = root, storage or root / "storage", extra
         self.config = root / "serve.yaml"
         self.config.write_text(yaml.safe_dump({**engine_settings(model), **SERVER_SETTINGS, "spark": {
             "spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"}}))
@@ -63,7 +64,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "spark_llm.cli", "serve", "--config", str(self.config), "--master", "local[2]",
              "--storage", str(self.storage), "--port", str(self.port), "--api-keys", str(self.keys),
-             "--completion-windows", "24h,4s", "--max-file-bytes", str(MAX_FILE_BYTES)],
+             "--completion-windows", "24h,4s", "--max-file-bytes", str(MAX_FILE_BYTES), *self.extra],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True)
         self.groups.append(self.proc.pid)
         deadline = time.time() + 120
@@ -329,3 +330,81 @@ def test_a_server_killed_mid_batch_resumes_it_exactly_once(server, tmp_path, spa
     ids = (spark.read.format("delta").load(str(server.storage / "tables" / "outputs"))
            .where(f"batch_id = '{batch.id}'").groupBy("custom_id").count())
     assert ids.count() == 240 and ids.where("count > 1").count() == 0
+
+
+# ---- watching it -------------------------------------------------------------------------------------------------------
+
+def test_health_ready_metrics_and_the_audit_log(server, tmp_path):
+    import httpx
+
+    base = f"http://127.0.0.1:{server.port}"
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{base}/ready")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
+    assert httpx.get(f"{base}/metrics").status_code == 401  # behind the keys, as the API
+    client = server.client()
+    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "m.jsonl", [
+        chat_line("m-0", max_tokens=2)])).id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert wait_for(client, batch.id).status == "completed"
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['spark_llm_batches{status="completed"}'] >= 1 and values["spark_llm_spark_ready"] == 1
+    assert values['spark_llm_requests_total{outcome="completed"}'] >= 1
+    assert 'spark_llm_engines{slot=' in text  # the server's CPU engines, ready
+    # every metric the alert rules name is one the server exposes
+    rules = (Path(__file__).resolve().parents[1] / "conf" / "prometheus-alerts.yaml").read_text()
+    named = set(re.findall(r"\b(spark_llm_[a-z_]+)", rules)) - {"spark_llm_gpu_utilization_ratio"}  # GPUs only
+    exposed = {name.split("{")[0] for name in values}
+    assert named <= exposed, named - exposed
+    audit = [json.loads(line) for line in (server.storage / "audit.jsonl").read_text().splitlines()]
+    mine = [a for a in audit if a.get("batch") == batch.id]
+    assert [a["action"] for a in mine][:1] == ["batch.created"]
+    assert {"batch.in_progress", "batch.finalizing", "batch.completed"} <= {a["action"] for a in mine}
+    done = next(a for a in mine if a["action"] == "batch.completed")
+    assert (done["total"], done["completed"], done["failed"]) == (1, 1, 0) and done["owner"].startswith("key-")
+    calls = [a for a in audit if a["action"] == "api" and a["path"] == f"/v1/batches/{batch.id}"]
+    assert calls and all(a["status"] == 200 and a["owner"].startswith("key-") for a in calls)
+    assert KEY_A not in (server.storage / "audit.jsonl").read_text()  # key ids, never keys
+
+
+def test_the_dashboard_in_a_real_browser(server, tmp_path):
+    """Headless Chromium (Debian's) driven by Playwright: the key given on the page, the batches listed with their
+    status and progress, a batch's errors by code and report, and a running batch cancelled with the page's button;
+    a screenshot of each page is kept with the test's files."""
+    import shutil
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium: scripts/setup.sh installs Debian's chromium package")
+    client = server.client()
+    mixed = upload(client, write_jsonl(tmp_path / "mixed.jsonl", [chat_line("ok-1", max_tokens=2), "{not json",
+                                                                   chat_line("ok-2", max_tokens=2)]))
+    done = client.batches.create(input_file_id=mixed.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert wait_for(client, done.id).status == "completed"
+    running = client.batches.create(input_file_id=upload(client, long_input(tmp_path / "long.jsonl")).id,
+                                    endpoint="/v1/chat/completions", completion_window="24h")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(f"http://127.0.0.1:{server.port}/ui")
+        page.fill("#key", KEY_A)
+        page.click("#key-form button")
+        row = page.locator(f'tr[data-batch="{done.id}"]')
+        row.locator("td.status", has_text="completed").wait_for(timeout=30_000)
+        assert row.get_by_role("progressbar").get_attribute("aria-valuenow") == "100"
+        assert page.locator(f'tr[data-batch="{running.id}"]').count() == 1
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        row.get_by_role("link").click()
+        page.locator("#codes td", has_text="invalid_json").wait_for(timeout=30_000)
+        assert page.locator("#codes tr").count() == 1
+        report = page.frame_locator("#report")
+        report.locator("svg").first.wait_for(timeout=30_000)  # the report's plots
+        page.screenshot(path=str(tmp_path / "batch.png"), full_page=True)
+        page.goto(f"http://127.0.0.1:{server.port}/ui#{running.id}")
+        page.locator("#cancel").click()
+        page.locator("#detail-status", has_text="cancel").wait_for(timeout=30_000)
+        browser.close()
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert wait_for(client, running.id).status == "cancelled"

@@ -110,3 +110,82 @@ def test_shapes_parse_with_openai_python_and_metadata_keeps_its_limits():
     for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
         with pytest.raises(ValueError):
             BatchCreate(input_file_id="f", endpoint="e", completion_window="24h", metadata=metadata)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared_store(request, tmp_path):
+    """A store as several servers share it: SQLite on one host, a real PostgreSQL across hosts."""
+    url = f"sqlite:///{tmp_path / 'service.db'}" if request.param == "sqlite" else \
+        ServiceSettings(database_url=request.getfixturevalue("postgres").url).database()
+    s = Store(url)
+    if request.param == "postgresql":  # one database for the test run: start from an empty table
+        from spark_llm.service.store import batches_table
+
+        with s.engine.begin() as db:
+            db.execute(batches_table.delete())
+    yield s
+    s.close()
+
+
+def test_each_batch_is_claimed_by_one_server_of_many_claiming_at_once(shared_store):
+    import threading
+
+    ids = [f"b{n}" for n in range(40)]
+    for id in ids:
+        shared_store.add_batch(_batch(id))
+    won: dict[str, list[str]] = {"s1": [], "s2": [], "s3": []}
+    start = threading.Barrier(len(won))
+
+    def claim_all(server: str) -> None:
+        start.wait()
+        won[server] = [id for id in ids if shared_store.claim(id, server, 30)]
+    threads = [threading.Thread(target=claim_all, args=(s,)) for s in won]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(id for claimed in won.values() for id in claimed) == sorted(ids)  # each once, none twice
+    holder = {id: s for s, claimed in won.items() for id in claimed}
+    assert all(shared_store.batch(id).lease_holder == holder[id] for id in ids)
+
+
+def test_a_lease_runs_out_unless_renewed_and_then_another_server_takes_the_batch(shared_store):
+    import time
+
+    shared_store.add_batch(_batch("b1"))
+    shared_store.add_batch(_batch("b2"))
+    assert shared_store.claim("b1", "s1", 0.5) and shared_store.claim("b2", "s1", 0.5)
+    assert not shared_store.claim("b1", "s2", 30)
+    time.sleep(0.3)
+    assert shared_store.renew(["b1"], "s1", 0.5) == {"b1"}  # b2 is not renewed
+    time.sleep(0.3)
+    assert shared_store.claim("b2", "s2", 30) and not shared_store.claim("b1", "s2", 30)  # s1 died for b2 only
+    assert shared_store.renew(["b1", "b2"], "s1", 30) == {"b1"}  # s1 learns it lost b2
+    shared_store.release("b1", "s1")
+    assert shared_store.claim("b1", "s2", 30)
+
+
+def test_an_older_database_gets_the_lease_columns(tmp_path):
+    import sqlalchemy as sa
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    old = sa.create_engine(url)
+    with old.begin() as db:
+        db.execute(sa.text("CREATE TABLE batches (seq INTEGER PRIMARY KEY, id VARCHAR(64))"))
+    old.dispose()
+    store = Store(url)
+    assert {"lease_holder", "lease_until"} <= {c["name"] for c in sa.inspect(store.engine).get_columns("batches")}
+    store.close()
+
+
+def test_a_key_s_line_gives_its_priority_and_limits(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# keys\nsk-a priority=low max_queued_batches=2\nsk-b\n")
+    settings = ServiceSettings(api_keys=str(keys), max_enqueued_tokens=1000)
+    a, b = settings.policies()["sk-a"], settings.policies()["sk-b"]
+    assert (a.priority, a.max_queued_batches, a.max_enqueued_tokens) == ("low", 2, 1000)
+    assert (b.priority, b.max_queued_batches) == ("normal", None)
+    assert settings.keys() == {"sk-a": a.owner, "sk-b": b.owner} and settings.policy(a.owner) == a
+    keys.write_text("sk-c priority=urgent\n")
+    with pytest.raises(ConfigError, match="priority must be one of high, normal, low"):
+        ServiceSettings(api_keys=str(keys)).keys()

@@ -3,8 +3,12 @@ client pointed at its ``base_url`` uploads a JSONL file, creates a batch, polls 
 files, and every batch runs as ``spark-llm run`` runs it.
 
 - :mod:`.protocol`: OpenAI's shapes and error body;  :mod:`.lifecycle`: the batch statuses and their order;
-- :mod:`.store`: file and batch records (SQLAlchemy);  :mod:`.files`: the files' bytes and the upload;
-- :mod:`.scheduler`: the Spark side: runs, stops, ends and resumes batches;  :mod:`.api`: the HTTP routes;
+- :mod:`.store`: file, upload and batch records, the leases of several servers (SQLAlchemy: SQLite, PostgreSQL);
+- :mod:`.files`: the files' bytes and the streamed multipart upload;
+- :mod:`.scheduler`: the Spark side: runs, stops, ends and resumes batches, by priority, under a lease;
+- :mod:`.access`: who calls (keys, owners);  :mod:`.api`: the Files and Batches routes;  :mod:`.uploads`: the
+  Uploads routes;  :mod:`.monitor`: health, readiness, Prometheus metrics;  :mod:`.audit`: the audit log;
+  :mod:`.ui`: the dashboard;
 - :mod:`.server`: the process.
 
 Importing this package imports neither FastAPI nor Spark.

@@ -6,35 +6,25 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
+import sqlalchemy.exc
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..endpoints import ENDPOINTS
-from .files import FileStorage, check_filename, receive_upload
+from . import monitor, ui, uploads
+from .access import Service, new_id, owner, service_of
+from .audit import audit
+from .files import TextCheck, check_filename, receive_upload
 from .lifecycle import CANCELLABLE, Status
 from .protocol import APIError, Batch, BatchCreate, ExpiresAfter, FileDeleted, FileObject, Page
-from .scheduler import Scheduler
-from .settings import NO_KEY_OWNER, ServiceSettings
-from .store import BatchRecord, FileRecord, Store
+from .settings import NO_KEY_OWNER, PRIORITIES
+from .store import BatchRecord, FileRecord
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Service:
-    """What the routes work with."""
-
-    settings: ServiceSettings
-    store: Store
-    files: FileStorage
-    scheduler: Scheduler
-    keys: dict[str, str]  #: API key -> owner id; empty: no keys, one owner
 
 
 def create_app(service: Service) -> FastAPI:
@@ -42,6 +32,21 @@ def create_app(service: Service) -> FastAPI:
     app.state.service = service
     app.include_router(files_router, prefix="/v1")
     app.include_router(batches_router, prefix="/v1")
+    app.include_router(uploads.router, prefix="/v1")
+    app.include_router(monitor.router)
+    app.include_router(ui.router)
+
+    @app.middleware("http")
+    async def audited(request: Request, call_next: Any) -> Any:
+        """One audit line per API call: the key's owner id, the call, its answer's status and time."""
+        t0 = time.monotonic()
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            keys = service.keys
+            _, _, key = request.headers.get("authorization", "").partition(" ")
+            audit("api", owner=keys.get(key.strip(), "unknown") if keys else NO_KEY_OWNER, method=request.method,
+                  path=request.url.path, status=response.status_code, ms=round(1000 * (time.monotonic() - t0), 1))
+        return response
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -55,6 +60,12 @@ def create_app(service: Service) -> FastAPI:
         message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}." if param else str(first.get("msg"))
         return JSONResponse(APIError.invalid(message, param=param).body(), status_code=400)
 
+    @app.exception_handler(sqlalchemy.exc.DBAPIError)
+    async def database_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("database error on %s %s: %s", request.method, request.url.path, str(exc).splitlines()[0])
+        error = APIError(503, "The service's database is out of reach; try again shortly.", type="server_error")
+        return JSONResponse(error.body(), status_code=503)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = "Not found: no such route." if exc.status_code == 404 else str(exc.detail)
@@ -63,34 +74,9 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-def service_of(request: Request) -> Service:
-    return request.app.state.service
-
-
-def owner(request: Request) -> str:
-    """The caller's owner id, from ``Authorization: Bearer <key>`` (401 without a known key)."""
-    keys = service_of(request).keys
-    if not keys:
-        return NO_KEY_OWNER
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or key.strip() not in keys:
-        raise APIError(401, "Incorrect API key provided. Give one of this server's keys as 'Authorization: "
-                       "Bearer <key>'.", code="invalid_api_key")
-    return keys[key.strip()]
-
-
-def new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
 # ---- files -----------------------------------------------------------------------------------------------------------
 
 files_router = APIRouter()
-
-
-def file_object(record: FileRecord) -> FileObject:
-    return FileObject(id=record.id, bytes=record.bytes, created_at=record.created_at, filename=record.filename,
-                      purpose=record.purpose, expires_at=record.expires_at)  # type: ignore[arg-type]
 
 
 @files_router.post("/files")
@@ -99,7 +85,7 @@ async def create_file(request: Request, who: str = Depends(owner)) -> FileObject
     id = new_id("file-")
     location = service.files.location("files", id)
     upload = await receive_upload(request.stream(), request.headers.get("content-type", ""), service.files, location,
-                                  service.settings.max_file_bytes)
+                                  TextCheck(service.settings.max_file_bytes))
     try:
         purpose = upload.fields.get("purpose")
         if purpose != "batch":
@@ -114,8 +100,9 @@ async def create_file(request: Request, who: str = Depends(owner)) -> FileObject
     record = FileRecord(id=id, owner=who, filename=filename, purpose="batch", bytes=upload.bytes, created_at=now,
                         location=location, expires_at=now + expires_after.seconds if expires_after else None)
     service.store.add_file(record)
+    audit("file.created", owner=who, file=id, bytes=upload.bytes)
     log.info("file %s: %d bytes uploaded", id, upload.bytes)
-    return file_object(record)
+    return FileObject.of(record)
 
 
 def _expires_after(fields: dict[str, str]) -> Optional[ExpiresAfter]:
@@ -135,7 +122,7 @@ def list_files(request: Request, who: str = Depends(owner), purpose: Optional[st
                limit: int = Query(10_000, ge=1, le=10_000), after: Optional[str] = None,
                order: str = Query("desc", pattern="^(asc|desc)$")) -> Page[FileObject]:
     records, more = service_of(request).store.files(who, purpose, limit, after, newest_first=order == "desc")
-    return Page.of([file_object(r) for r in records], more)
+    return Page.of([FileObject.of(r) for r in records], more)
 
 
 def _own_file(request: Request, id: str, who: str) -> FileRecord:
@@ -147,7 +134,7 @@ def _own_file(request: Request, id: str, who: str) -> FileRecord:
 
 @files_router.get("/files/{file_id}")
 def retrieve_file(request: Request, file_id: str, who: str = Depends(owner)) -> FileObject:
-    return file_object(_own_file(request, file_id, who))
+    return FileObject.of(_own_file(request, file_id, who))
 
 
 @files_router.get("/files/{file_id}/content")
@@ -168,6 +155,7 @@ def delete_file(request: Request, file_id: str, who: str = Depends(owner)) -> Fi
                                "once the batch is done (or cancel the batch).", param="file_id")
     service.store.delete_file(file_id)
     service.files.delete(record.location)
+    audit("file.deleted", owner=who, file=file_id)
     return FileDeleted(id=file_id)
 
 
@@ -207,13 +195,23 @@ def create_batch(request: Request, body: BatchCreate, who: str = Depends(owner))
     if source.purpose != "batch":
         raise APIError.invalid(f"File {source.id} has purpose {source.purpose!r}; a batch's input file is uploaded "
                                "with purpose 'batch'.", param="input_file_id")
+    policy = service.settings.policy(who)
+    priority = (body.metadata or {}).get("priority", policy.priority)
+    if priority not in PRIORITIES:
+        raise APIError.invalid(f"metadata.priority must be one of {', '.join(PRIORITIES)}; got {priority!r}.",
+                               param="metadata")
+    if policy.max_queued_batches is not None and \
+            len(service.store.unfinished_of(who)) >= policy.max_queued_batches:
+        raise APIError(429, f"This key has {policy.max_queued_batches} unfinished batches, its limit; create more "
+                       "once some finish.", type="rate_limit_error", code="rate_limit_exceeded")
     now = int(time.time())
     record = BatchRecord(id=new_id("batch_"), owner=who, status=Status.VALIDATING, endpoint=body.endpoint,
                          input_file_id=source.id, completion_window=body.completion_window, created_at=now,
                          expires_at=now + windows[body.completion_window], metadata=body.metadata,
                          output_expires_after=body.output_expires_after.seconds if body.output_expires_after
-                         else None)
+                         else None, priority=priority)
     service.store.add_batch(record)
+    audit("batch.created", owner=who, batch=record.id, file=source.id, endpoint=body.endpoint, priority=priority)
     service.scheduler.wake()
     log.info("batch %s: created over %s (%s)", record.id, source.id, body.endpoint)
     return batch_object(record)

@@ -109,18 +109,32 @@ class Upload:
     bytes: int = 0
 
 
+class PartCheck(TextCheck):
+    """One part of a chunked upload (:mod:`.uploads`): at most ``limit`` bytes and no NUL byte; whether the whole
+    file is blank is decided when the parts are put together."""
+
+    def feed(self, data: bytes) -> None:
+        if self.bytes + len(data) > self.limit:
+            raise APIError.invalid(f"The parts would hold more than the bytes the upload was created for ({self.limit} "
+                                   "left for this part).", param="data", code="file_too_large")
+        super().feed(data)
+
+    def close(self) -> None:
+        pass
+
+
 async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage: FileStorage, location: str,
-                         limit: int) -> Upload:
-    """Parse a ``multipart/form-data`` body as it arrives: the part named ``file`` is checked (:class:`TextCheck`)
-    and written to ``location``, the other parts are form fields (at most 64 KiB each). A refused upload leaves
-    nothing stored; the body is still read to its end, so that the client reads the answer and not a reset."""
+                         check: TextCheck, field: str = "file") -> Upload:
+    """Parse a ``multipart/form-data`` body as it arrives: the part named ``field`` is checked (``check``: a
+    :class:`TextCheck`, or a :class:`PartCheck` for a chunked upload's part) and written to ``location``, the other
+    parts are form fields (at most 64 KiB each). A refused upload leaves nothing stored; the body is still read to
+    its end, so that the client reads the answer and not a reset."""
     from python_multipart.multipart import MultipartParser, parse_options_header
 
     kind, options = parse_options_header(content_type)
     if kind != b"multipart/form-data" or b"boundary" not in options:
         raise APIError.invalid("Expected a multipart/form-data body with the file and its purpose.")
     upload = Upload(fields={})
-    check = TextCheck(limit)
     failure: list[APIError] = []
     state: dict[str, Any] = {"headers": [], "name": None, "field": b"", "value": b""}
 
@@ -142,7 +156,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
             _, params = parse_options_header(disposition)
             name = params.get(b"name", b"").decode("utf-8", "replace")
             state["name"], state["headers"] = name, []
-            if name == "file":
+            if name == field:
                 upload.filename = params.get(b"filename", b"").decode("utf-8", "replace")
                 out.append(stack.enter_context(storage.writing(location)))
             else:
@@ -153,7 +167,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
                 return
             chunk = data[start:end]
             try:
-                if state["name"] == "file":
+                if state["name"] == field:
                     check.feed(chunk)
                     out[-1].write(chunk)
                 else:
@@ -165,7 +179,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
                 failure.append(exc)
 
         def on_part_end() -> None:
-            if state["name"] == "file" and not failure:
+            if state["name"] == field and not failure:
                 try:
                     check.close()
                 except APIError as exc:
@@ -180,6 +194,6 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
         if failure:
             raise failure[0]  # the writer removes what it wrote
         if upload.filename is None:
-            raise APIError.invalid("The body has no part named 'file'.", param="file")
+            raise APIError.invalid(f"The body has no part named '{field}'.", param=field)
     upload.bytes = check.bytes
     return upload

@@ -56,6 +56,12 @@ class FileObject(BaseModel):
     expires_at: Optional[int] = None
     status_details: Optional[str] = None
 
+    @classmethod
+    def of(cls, record: Any) -> "FileObject":
+        """A stored file's object (a :class:`~spark_llm.service.store.FileRecord`)."""
+        return cls(id=record.id, bytes=record.bytes, created_at=record.created_at, filename=record.filename,
+                   purpose=record.purpose, expires_at=record.expires_at)
+
 
 class FileDeleted(BaseModel):
     id: str
@@ -111,6 +117,45 @@ class BatchCreate(BaseModel):
                 if len(value) > value_chars:
                     raise ValueError(f"metadata value of {key!r} is over {value_chars} characters")
         return v
+
+
+class Upload(BaseModel):
+    """openai-python's ``Upload``: a file sent in parts (``POST /v1/uploads``)."""
+
+    id: str
+    object: Literal["upload"] = "upload"
+    bytes: int
+    created_at: int
+    expires_at: int
+    filename: str
+    purpose: str
+    status: Literal["pending", "completed", "cancelled", "expired"]
+    file: Optional[FileObject] = None
+
+
+class UploadPart(BaseModel):
+    id: str
+    object: Literal["upload.part"] = "upload.part"
+    created_at: int
+    upload_id: str
+
+
+class UploadCreate(BaseModel):
+    """``POST /v1/uploads``' body (openai-python's ``UploadCreateParams``)."""
+
+    bytes: int = Field(ge=1)
+    filename: str
+    mime_type: str
+    purpose: str
+    expires_after: Optional[ExpiresAfter] = None  #: of the file the upload becomes
+
+
+class UploadComplete(BaseModel):
+    """``POST /v1/uploads/{id}/complete``' body: the parts in the file's order, and the whole file's MD5 (hex),
+    checked when given."""
+
+    part_ids: list[str]
+    md5: Optional[str] = None
 
 
 class Page(BaseModel, Generic[T]):

@@ -6,10 +6,16 @@ request not answered as a ``batch_cancelled`` / ``batch_expired`` error row (``f
 
 Everything it needs is in the store and under the storage root: a server started again (after a crash or
 ``kill -9``) picks up every batch that is not final, and a batch that had started runs again with ``resume``, which
-writes only what no committed row answers, so every request ends in exactly one row."""
+writes only what no committed row answers, so every request ends in exactly one row.
+
+Several servers may share the store (and the storage root): each batch is run by the one server that holds its
+**lease** (:meth:`~.store.Store.claim`), renewed while it runs. A server that dies loses its leases after
+``lease_seconds`` and another takes the batch over, resuming it; a server that cannot renew for that long (it lost
+the database) stops its runs first, so two servers never run one batch at once."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -17,19 +23,26 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..batch import BatchErrors, BatchResult, failure_reason
+import sqlalchemy.exc
+
+from ..batch import TOKEN_LIMIT_EXCEEDED, BatchErrors, BatchResult, failure_reason
 from ..config import BatchConfig, ConfigError
 from ..context import RunListener, cancel_batch_jobs
 from ..errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
+from .audit import audit
 from .files import FileStorage
 from .lifecycle import Status
-from .settings import ServiceSettings
+from .settings import PRIORITIES, ServiceSettings
 from .store import BatchRecord, FileRecord, Store
 
 log = logging.getLogger(__name__)
 
 #: Seconds between the scheduler's looks at the store when nothing wakes it.
 TICK_SECONDS = 0.5
+#: Bytes of a batch input file per input token, for the enqueued-token limit (JSONL around English text).
+BYTES_PER_TOKEN = 4
+#: Seconds between the scheduler's looks for files past their expiry.
+EXPIRY_SECONDS = 30.0
 #: How a stopped batch ends: its status -> the code of the requests it did not run.
 UNANSWERED_CODE = {Status.CANCELLED: ErrorCode.BATCH_CANCELLED.value, Status.EXPIRED: ErrorCode.BATCH_EXPIRED.value}
 
@@ -42,6 +55,8 @@ class _Running:
     thread: Optional[threading.Thread] = None
     stop: Optional[Status] = None
     ending: bool = False  #: the run that ends the batch early (it is not stopped again)
+    lost: bool = False  #: the lease went to another server: the run stops, and leaves the batch to it
+    priority: Optional[str] = None
 
     def request_stop(self, why: Status) -> None:
         if self.stop is None and not self.ending:
@@ -57,6 +72,8 @@ class _Progress(RunListener):
         self.store, self.running = store, running
 
     def _check(self) -> None:
+        if self.running.lost:
+            raise BatchStopped("lease lost")
         if self.running.stop is None:
             batch = self.store.batch(self.running.batch_id)
             if batch is not None and batch.status is Status.CANCELLING:
@@ -79,6 +96,23 @@ class _Progress(RunListener):
         self.store.move(self.running.batch_id, Status.FINALIZING)
 
 
+class _LeaseWatch(RunListener):
+    """The listener of a run that ends a batch early: it only stops when the lease goes to another server."""
+
+    def __init__(self, running: _Running):
+        self.running = running
+
+    def _check(self) -> None:
+        if self.running.lost:
+            raise BatchStopped("lease lost")
+
+    def validated(self, total: int, invalid: int, answered: int) -> None:
+        self._check()
+
+    def committed(self, responses: int, errors: int) -> None:
+        self._check()
+
+
 class Scheduler:
     """Runs the batches of ``store`` on the session ``session()`` makes (in the scheduler's thread, so that the API
     answers while Spark starts). :meth:`wake` after a batch is created or cancelled."""
@@ -87,6 +121,9 @@ class Scheduler:
                  session: Callable[[], Any]):
         self.base, self.settings, self.store, self.files = base, settings, store, files
         self._session = session
+        self.holder = settings.server()  #: this server's name in the leases it holds
+        self._renewed_at = self._held_at = time.time()
+        self._expired_at = 0.0
         self.spark: Any = None
         self.ready = threading.Event()  #: the Spark session is up
         self.startup_error: Optional[BaseException] = None
@@ -113,6 +150,9 @@ class Scheduler:
             if running.thread is not None:
                 running.thread.join(max(0.0, deadline - time.time()))
         self._thread.join(max(0.0, deadline - time.time()))
+        for running in list(self._running.values()):  # another server may resume them now
+            with contextlib.suppress(Exception):
+                self.store.release(running.batch_id, self.holder)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -123,10 +163,16 @@ class Scheduler:
             log.error("the Spark session could not start: %s", describe_exception(exc))
             return
         self.ready.set()
+        failing = False
         while not self._stopping.is_set():
             try:
                 self._tick()
-            except Exception:  # a database hiccup: the next tick tries again
+                failing = False
+            except sqlalchemy.exc.DBAPIError as exc:  # the database is out of reach: the next tick tries again
+                if not failing:
+                    log.warning("the database is out of reach (%s); trying again", str(exc).splitlines()[0])
+                failing = True
+            except Exception:
                 log.exception("scheduler tick failed")
             self._wake.wait(TICK_SECONDS)
             self._wake.clear()
@@ -135,21 +181,102 @@ class Scheduler:
         now = time.time()
         for running in [r for r in self._running.values() if r.thread is not None and not r.thread.is_alive()]:
             del self._running[running.batch_id]
-        for batch in self.store.unfinished():
+        self._renew(now)
+        if now - self._expired_at >= EXPIRY_SECONDS:
+            self._expired_at = now
+            self.expire_files(now)
+        queue = sorted(self.store.unfinished(), key=lambda b: PRIORITIES.index(b.priority or "normal"))  # stable
+        for batch in queue:
             ends = self._ends_early(batch, now)
             running = self._running.get(batch.id)
             if running is not None:
                 if ends is not None:
                     running.request_stop(ends)
-                if running.stop is not None and not running.ending:
+                if (running.stop is not None and not running.ending) or running.lost:
                     cancel_batch_jobs(self.spark, batch.id)  # again each tick: a job the run started meanwhile
                 continue
             if self._stopping.is_set():
                 return
+            if batch.lease_holder not in (None, self.holder) and (batch.lease_until or 0) > now:
+                continue  # another server runs it
+            lease = self.settings.lease_seconds
             if ends is not None:  # a short run without the engines: not counted against max_running_batches
-                self._launch(batch, lambda b, r, why=ends: self._end_early(b, r, why), ending=True)
-            elif sum(not r.ending for r in self._running.values()) < self.settings.max_running_batches:
-                self._launch(batch, self._run)
+                if self.store.claim(batch.id, self.holder, lease):
+                    self._launch(batch, lambda b, r, why=ends: self._end_early(b, r, why), ending=True)
+            elif self._has_room(batch):
+                if batch.runs == 0 and self.refused_for_tokens(batch):
+                    continue
+                if self.store.claim(batch.id, self.holder, lease):
+                    self._launch(self.store.batch(batch.id) or batch, self._run)
+
+    def expire_files(self, now: Optional[float] = None) -> list[str]:
+        """Delete the files past their ``expires_after`` (input files no unfinished batch reads, output and error
+        files past the batch's ``output_expires_after``): bytes and record, as OpenAI deletes them; the batches'
+        rows in the Delta tables stay. The ids deleted."""
+        gone = []
+        for record in self.store.expired_files(now or time.time()):
+            self.files.delete(record.location)
+            self.store.delete_file(record.id)
+            audit("file.expired", owner=record.owner, file=record.id, bytes=record.bytes)
+            gone.append(record.id)
+        return gone
+
+    def _renew(self, now: float) -> None:
+        """Renew the leases of the batches this server runs, every sixth of ``lease_seconds``; a run whose lease
+        went to another server, or every run when the database could not be reached for most of a lease, stops."""
+        lease = self.settings.lease_seconds
+        if not self._running:
+            self._held_at = now  # nothing held: the database's reach is measured from the next run on
+            return
+        if now - self._renewed_at < lease / 6:
+            return
+        self._renewed_at = now
+        ids = [r.batch_id for r in self._running.values() if not r.lost]
+        try:
+            held = self.store.renew(ids, self.holder, lease)
+            self._held_at = now
+        except Exception as exc:
+            if now - self._held_at < 0.8 * lease:
+                log.warning("could not renew the batches' leases (%s); trying again", describe_exception(exc))
+                return
+            log.error("the database was out of reach for %.0fs: stopping this server's runs before their leases "
+                      "run out (another server resumes them)", now - self._held_at)
+            held = set()
+        for running in self._running.values():
+            if running.batch_id in ids and running.batch_id not in held:
+                log.warning("batch %s: its lease went to another server; stopping this run", running.batch_id)
+                running.lost = True
+                cancel_batch_jobs(self.spark, running.batch_id)
+
+    def _has_room(self, batch: BatchRecord) -> bool:
+        """Whether ``batch`` may start now: ``max_running_batches`` run at once, and one high-priority batch more
+        (it runs beside them on the same engines, so a small urgent batch does not wait for a large one to end;
+        the large one goes on)."""
+        running = [r for r in self._running.values() if not r.ending]
+        if len(running) < self.settings.max_running_batches:
+            return True
+        return batch.priority == "high" and len(running) == self.settings.max_running_batches and \
+            not any(r.priority == "high" for r in running)
+
+    def refused_for_tokens(self, batch: BatchRecord) -> bool:
+        """Fail ``batch`` with ``token_limit_exceeded`` when it and its key's other unfinished batches hold more
+        input tokens than the key's ``max_enqueued_tokens`` (estimated as bytes / 4, before the batch is read)."""
+        limit = self.settings.policy(batch.owner).max_enqueued_tokens
+        if limit is None:
+            return False
+        tokens = {}
+        for other in self.store.unfinished_of(batch.owner):
+            source = self.store.file(other.input_file_id)
+            tokens[other.id] = (source.bytes if source else 0) // BYTES_PER_TOKEN
+        if sum(tokens.values()) <= limit:
+            return False
+        message = (f"Enqueued token limit reached: this key's unfinished batches hold about {sum(tokens.values()):,} "
+                   f"input tokens with this one ({tokens.get(batch.id, 0):,}); its limit is {limit:,} enqueued "
+                   "tokens. Try submitting fewer requests, or wait for earlier batches to complete.")
+        errors = BatchErrors(data=[{"code": TOKEN_LIMIT_EXCEEDED, "message": message}], total=1)
+        self.store.move(batch.id, Status.FAILED, errors=errors.model_dump(exclude_none=True))
+        log.info("batch %s: failed: %s", batch.id, message)
+        return True
 
     @staticmethod
     def _ends_early(batch: BatchRecord, now: float) -> Optional[Status]:
@@ -162,7 +289,7 @@ class Scheduler:
     def _launch(self, batch: BatchRecord, body: Callable[[BatchRecord, _Running], None], ending: bool = False) -> None:
         from pyspark import InheritableThread
 
-        running = self._running[batch.id] = _Running(batch.id, ending=ending)
+        running = self._running[batch.id] = _Running(batch.id, ending=ending, priority=batch.priority)
         running.thread = InheritableThread(target=self._guarded, args=(body, batch, running),
                                            name=f"spark_llm-{batch.id}", daemon=True)
         running.thread.start()
@@ -173,6 +300,9 @@ class Scheduler:
         except Exception:
             log.exception("batch %s: the scheduler failed on it", batch.id)
         finally:
+            if not running.lost and not self._stopping.is_set():
+                with contextlib.suppress(Exception):
+                    self.store.release(batch.id, self.holder)
             self._wake.set()
 
     # ---- one batch -----------------------------------------------------------------------------------------------
@@ -195,7 +325,11 @@ class Scheduler:
         try:
             result = run_batch(self.spark, self.config(batch, resume=batch.runs > 0), _Progress(self.store, running))
         except BaseException as exc:
-            if running.stop is not None:
+            if running.lost:
+                log.info("batch %s: left to the server that holds it now", batch.id)
+            elif isinstance(exc, sqlalchemy.exc.DBAPIError):  # not the batch's fault: it runs again, resuming
+                log.warning("batch %s: the database went out of reach during its run; it resumes later", batch.id)
+            elif running.stop is not None:
                 self._end_early(batch, running, running.stop)
             elif self._stopping.is_set():
                 log.info("batch %s: left to resume when the server starts again", batch.id)
@@ -214,9 +348,10 @@ class Scheduler:
         running.ending = True
         log.info("batch %s: ending as %s", batch.id, why.value)
         try:
-            result = run_batch(self.spark, self.config(batch, resume=True, finish_unanswered=UNANSWERED_CODE[why]))
+            result = run_batch(self.spark, self.config(batch, resume=True, finish_unanswered=UNANSWERED_CODE[why]),
+                               _LeaseWatch(running))
         except BaseException as exc:
-            if not self._stopping.is_set():
+            if not self._stopping.is_set() and not running.lost:
                 self._fail(batch, exc)
             return
         self._record(batch, result)

@@ -55,13 +55,17 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     """Run the service until the process is told to stop."""
     import uvicorn
 
-    from .api import Service, create_app
+    from . import audit
+    from .access import Service
+    from .api import create_app
     from .files import FileStorage
     from .scheduler import Scheduler
     from .store import Store
 
     keys = settings.keys()
-    files = FileStorage(settings.storage)  # first: the default database lives under it
+    files = FileStorage(settings.storage)  # first: the default database and audit log live under it
+    if settings.audit_path():
+        audit.write_to(settings.audit_path())
     store = Store(settings.database())
     scheduler = Scheduler(base, settings, store, files, session=lambda: _session(base, spark_conf or {}, master,
                                                                                    remote))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +23,21 @@ _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+#: Batch priorities, most urgent first: a batch's metadata ``{"priority": ...}``, else its key's default.
+PRIORITIES = ("high", "normal", "low")
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """What a key may do (options after the key on its line of the keys file: ``priority=low
+    max_queued_batches=10 max_enqueued_tokens=5000000``; else the server's defaults)."""
+
+    owner: str
+    priority: str = "normal"
+    max_queued_batches: Optional[int] = None
+    max_enqueued_tokens: Optional[int] = None
+
+
 class ServiceSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -30,14 +47,16 @@ class ServiceSettings(BaseModel):
     api_keys: Optional[str] = Field(
         None, description=f"File with the API keys clients may use, one a line (or the environment variable "
         f"{API_KEYS_ENV}, comma-separated). Every request then needs 'Authorization: Bearer <key>', and each key "
-        "sees only its own files and batches.")
+        "sees only its own files and batches. A key's line may add its default priority and limits: "
+        "'sk-... priority=low max_queued_batches=10 max_enqueued_tokens=5000000'.")
     storage: str = Field(
         "spark_llm_service", description="Storage root: uploaded files, each batch's output and error files and "
         "report, and the shared Delta tables (<storage>/tables/outputs, errors, metrics, embeddings, partitioned "
         "by batch_id). A local directory or a URI the job reads and writes (s3a://, abfss://, ...).")
     database_url: Optional[str] = Field(
         None, description="SQLAlchemy URL of the database holding file and batch records; default a SQLite file "
-        "<storage>/service.db. postgresql+psycopg://... for a database several servers share.")
+        "<storage>/service.db. postgresql://user:password@host/db for a database several servers share (they also "
+        "share --storage).")
     max_running_batches: int = Field(
         1, ge=1, description="Batches run at once; the others wait their turn in order of creation. Batches run "
         "at once share the engines.")
@@ -47,6 +66,24 @@ class ServiceSettings(BaseModel):
         "24h", description="completion_window values a batch may give, comma-separated durations (30s, 10m, 24h, "
         "2d; OpenAI accepts only 24h). A batch not done by then ends as expired: its answers in the output file, "
         "the rest as batch_expired lines in the error file.")
+    audit_log: Optional[str] = Field(
+        None, description="File the audit log is appended to: a JSON line per API call and per batch transition "
+        "(key id, action, batch, counts, reason). Default <storage>/audit.jsonl for a local storage root; 'off' to "
+        "keep none.")
+    server_id: Optional[str] = Field(
+        None, description="This server's name among the servers that share the database (default: host name and "
+        "process id). Each batch is run by one server at a time, which holds a lease on it.")
+    lease_seconds: float = Field(
+        30.0, ge=2, description="How long a server's hold on a batch lasts without renewal (renewed every "
+        "lease_seconds/6 while it runs the batch): a server that dies loses its batches after this long, and another "
+        "server resumes them. A server that cannot renew for this long stops running them.")
+    max_queued_batches: Optional[int] = Field(
+        None, ge=1, description="Unfinished batches a key may have at once (default: no limit); over it "
+        "batches.create answers 429. A key's own line in the keys file may say otherwise.")
+    max_enqueued_tokens: Optional[int] = Field(
+        None, ge=1, description="Input tokens a key's unfinished batches may hold at once, estimated as a file's "
+        "bytes / 4 (OpenAI's enqueued token limit; default: no limit): a batch over it fails with "
+        "token_limit_exceeded, as OpenAI's does. A key's own line in the keys file may say otherwise.")
     max_runs: int = Field(2, ge=1, description="Runs of a batch before a failing one is given up as failed (each "
                           "later run resumes the one before; bad settings and an engine that cannot start fail at "
                           "once).")
@@ -62,15 +99,41 @@ class ServiceSettings(BaseModel):
         return out
 
     def database(self) -> str:
-        if self.database_url:
-            return self.database_url
+        if self.database_url:  # postgresql://... means psycopg 3, the driver the serve extra installs
+            return re.sub(r"^postgres(ql)?://", "postgresql+psycopg://", self.database_url)
         if "://" in self.storage and not self.storage.startswith("file:"):
             raise ConfigError("a storage root that is not a local directory needs --database-url (the SQLite "
                               "default lives under the storage root)")
         return f"sqlite:///{Path(self.storage.removeprefix('file:')).absolute() / 'service.db'}"
 
+    def audit_path(self) -> Optional[str]:
+        """Where the audit log goes, or None."""
+        if self.audit_log == "off":
+            return None
+        if self.audit_log:
+            return self.audit_log
+        if "://" in self.storage and not self.storage.startswith("file:"):
+            return None
+        return str(Path(self.storage.removeprefix("file:")).absolute() / "audit.jsonl")
+
+    def server(self) -> str:
+        """This server's name in the leases it holds."""
+        return self.server_id or f"{socket.gethostname()}-{os.getpid()}"
+
     def keys(self) -> dict[str, str]:
         """API key -> owner id (a hash of the key: the database never holds a key). Empty: no keys."""
+        return {key: policy.owner for key, policy in self.policies().items()}
+
+    def policy(self, owner: str) -> KeyPolicy:
+        """The policy of the key whose owner id is ``owner`` (the server's defaults for a server without keys)."""
+        for policy in self.policies().values():
+            if policy.owner == owner:
+                return policy
+        return KeyPolicy(owner, max_queued_batches=self.max_queued_batches,
+                         max_enqueued_tokens=self.max_enqueued_tokens)
+
+    def policies(self) -> dict[str, KeyPolicy]:
+        """API key -> its :class:`KeyPolicy`. Empty: no keys."""
         if self.api_keys:
             try:
                 lines = Path(self.api_keys).read_text(encoding="utf-8").splitlines()
@@ -81,7 +144,26 @@ class ServiceSettings(BaseModel):
                 raise ConfigError(f"the API keys file {self.api_keys} holds no key")
         else:
             keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-        return {key: "key-" + hashlib.sha256(key.encode()).hexdigest()[:16] for key in keys}
+        return dict(self._policy(line) for line in keys)
+
+    def _policy(self, line: str) -> tuple[str, KeyPolicy]:
+        key, *options = line.split()
+        given: dict[str, str] = {}
+        for option in options:
+            name, sep, value = option.partition("=")
+            if not sep or name not in ("priority", "max_queued_batches", "max_enqueued_tokens"):
+                raise ConfigError(f"keys file: {option!r} after a key is not priority=, max_queued_batches= or "
+                                  "max_enqueued_tokens=")
+            given[name] = value
+        if given.get("priority", "normal") not in PRIORITIES:
+            raise ConfigError(f"keys file: priority must be one of {', '.join(PRIORITIES)}, not {given['priority']!r}")
+        try:
+            limits = {name: int(given[name]) if name in given else getattr(self, name)
+                      for name in ("max_queued_batches", "max_enqueued_tokens")}
+        except ValueError:
+            raise ConfigError("keys file: max_queued_batches and max_enqueued_tokens are whole numbers") from None
+        owner = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        return key, KeyPolicy(owner, given.get("priority", "normal"), **limits)
 
     def check(self) -> None:
         """Refuse settings a server must not start with."""

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import sqlalchemy as sa
 
 from . import lifecycle
+from .audit import audit
 from .lifecycle import Status
 
 metadata = sa.MetaData()
@@ -55,7 +56,39 @@ batches_table = sa.Table(
     sa.Column("metadata_json", sa.Text),
     sa.Column("output_expires_after", sa.Integer),
     sa.Column("runs", sa.Integer, nullable=False, default=0),  # runs started: the next one resumes
+    # the server running the batch and until when its hold lasts without renewal (see Store.claim)
+    sa.Column("lease_holder", sa.String(128)),
+    sa.Column("lease_until", sa.Float),
+    sa.Column("priority", sa.String(8)),  # high, normal, low (settings.PRIORITIES)
 )
+uploads_table = sa.Table(
+    "uploads", metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), unique=True, nullable=False),
+    sa.Column("owner", sa.String(64), nullable=False, index=True),
+    sa.Column("filename", sa.String(255), nullable=False),
+    sa.Column("purpose", sa.String(32), nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),  # announced at creation; the parts must add up to it
+    sa.Column("mime_type", sa.String(255), nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("expires_at", sa.BigInteger, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("file_id", sa.String(64)),
+    sa.Column("file_expires_after", sa.Integer),  # the file's own expires_after, in seconds
+)
+
+upload_parts_table = sa.Table(
+    "upload_parts", metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), unique=True, nullable=False),
+    sa.Column("upload_id", sa.String(64), nullable=False, index=True),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("location", sa.Text, nullable=False),
+)
+
+#: Columns added since the first release, added to an older database when a server opens it.
+_ADDED = {"batches": ("lease_holder", "lease_until", "priority")}
 
 
 @dataclass(frozen=True)
@@ -68,6 +101,30 @@ class FileRecord:
     created_at: int
     location: str
     expires_at: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class UploadRecord:
+    id: str
+    owner: str
+    filename: str
+    purpose: str
+    bytes: int
+    mime_type: str
+    created_at: int
+    expires_at: int
+    status: str  #: pending, completed, cancelled (expired: read from expires_at)
+    file_id: Optional[str] = None
+    file_expires_after: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    id: str
+    upload_id: str
+    bytes: int
+    created_at: int
+    location: str
 
 
 @dataclass(frozen=True)
@@ -99,10 +156,27 @@ class BatchRecord:
     metadata: Optional[dict[str, str]] = None
     output_expires_after: Optional[int] = None
     runs: int = 0
+    lease_holder: Optional[str] = None
+    lease_until: Optional[float] = None
+    priority: Optional[str] = None
 
     def expired(self, now: Optional[float] = None) -> bool:
         """Its completion window has run out."""
         return self.expires_at is not None and (now or time.time()) >= self.expires_at
+
+
+@dataclass
+class Stats:
+    """What :meth:`Store.stats` counts."""
+
+    batches: dict[str, int] = dataclasses.field(default_factory=dict)  #: by status
+    completed: int = 0  #: requests answered, over every batch
+    failed: int = 0  #: error rows, over every batch
+    input_tokens: int = 0
+    output_tokens: int = 0
+    requests_left: int = 0  #: requests of unfinished batches with neither an answer nor an error yet
+    oldest_queued: Optional[int] = None  #: created_at of the oldest batch not started yet
+    leases: dict[str, int] = dataclasses.field(default_factory=dict)  #: batches held by each server
 
 
 _JSON_FIELDS = {"errors": "errors_json", "metadata": "metadata_json"}
@@ -144,9 +218,28 @@ class Store:
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         metadata.create_all(self.engine)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """An older database gets the columns added since (:data:`_ADDED`), each nullable."""
+        inspector = sa.inspect(self.engine)
+        for table_name, names in _ADDED.items():
+            have = {c["name"] for c in inspector.get_columns(table_name)}
+            table = metadata.tables[table_name]
+            with self.engine.begin() as db:
+                for name in names:
+                    if name not in have:
+                        column = table.c[name]
+                        db.execute(sa.text(f"ALTER TABLE {table_name} ADD COLUMN {name} "
+                                           f"{column.type.compile(self.engine.dialect)}"))
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def ping(self) -> None:
+        """Raise when the database does not answer."""
+        with self.engine.connect() as db:
+            db.execute(sa.text("SELECT 1"))
 
     # ---- files ---------------------------------------------------------------------------------------------------
     def add_file(self, record: FileRecord) -> None:
@@ -171,9 +264,49 @@ class Store:
             query = query.where(t.c.purpose == purpose)
         return self._page(t, query, limit, after, newest_first, _file_record)
 
+    def expired_files(self, now: float) -> list[FileRecord]:
+        """Files past their ``expires_at`` that no unfinished batch reads."""
+        t, b = files_table, batches_table
+        reading = sa.select(b.c.input_file_id).where(b.c.status.notin_([s.value for s in lifecycle.FINAL]))
+        query = t.select().where(t.c.expires_at.is_not(None), t.c.expires_at <= now, t.c.id.notin_(reading))
+        with self.engine.connect() as db:
+            return [_file_record(r) for r in db.execute(query)]
+
     def delete_file(self, id: str) -> None:
         with self.engine.begin() as db:
             db.execute(files_table.delete().where(files_table.c.id == id))
+
+    # ---- chunked uploads -----------------------------------------------------------------------------------------
+    def add_upload(self, record: UploadRecord) -> None:
+        with self.engine.begin() as db:
+            db.execute(uploads_table.insert().values(**dataclasses.asdict(record)))
+
+    def upload(self, id: str, owner: str) -> Optional[UploadRecord]:
+        t = uploads_table
+        with self.engine.connect() as db:
+            row = db.execute(t.select().where(t.c.id == id, t.c.owner == owner)).first()
+        return UploadRecord(**{k: v for k, v in row._mapping.items() if k != "seq"}) if row else None
+
+    def add_part(self, record: PartRecord) -> None:
+        with self.engine.begin() as db:
+            db.execute(upload_parts_table.insert().values(**dataclasses.asdict(record)))
+
+    def parts(self, upload_id: str) -> list[PartRecord]:
+        t = upload_parts_table
+        with self.engine.connect() as db:
+            rows = db.execute(t.select().where(t.c.upload_id == upload_id).order_by(t.c.seq)).all()
+        return [PartRecord(**{k: v for k, v in r._mapping.items() if k != "seq"}) for r in rows]
+
+    def end_upload(self, id: str, status: str, file: Optional[FileRecord] = None) -> bool:
+        """Move a pending upload to ``status`` (completed, with its ``file`` registered in the same transaction,
+        or cancelled); False when it was no longer pending (a second complete or cancel)."""
+        t = uploads_table
+        with self.engine.begin() as db:
+            moved = db.execute(t.update().where(t.c.id == id, t.c.status == "pending")
+                               .values(status=status, file_id=file.id if file else None)).rowcount
+            if moved and file is not None:
+                db.execute(files_table.insert().values(**dataclasses.asdict(file)))
+        return bool(moved)
 
     # ---- batches -------------------------------------------------------------------------------------------------
     def add_batch(self, record: BatchRecord) -> None:
@@ -201,6 +334,13 @@ class Store:
         with self.engine.connect() as db:
             return [_batch_record(r) for r in db.execute(query)]
 
+    def unfinished_of(self, owner: str) -> list[BatchRecord]:
+        """``owner``'s batches not in a final status."""
+        t = batches_table
+        query = t.select().where(t.c.owner == owner, t.c.status.notin_([s.value for s in lifecycle.FINAL]))
+        with self.engine.connect() as db:
+            return [_batch_record(r) for r in db.execute(query.order_by(t.c.seq))]
+
     def batches_reading(self, file_id: str) -> list[BatchRecord]:
         """Unfinished batches whose input is ``file_id``."""
         return [b for b in self.unfinished() if b.input_file_id == file_id]
@@ -213,7 +353,14 @@ class Store:
         t = batches_table
         with self.engine.begin() as db:
             done = db.execute(t.update().where(t.c.id == id, t.c.status.in_(allowed)).values(**values)).rowcount
-        return self.batch(id) if done else None
+        if not done:
+            return None
+        batch = self.batch(id)
+        if batch is not None:
+            reason = (batch.errors or {}).get("data", [{}])[0].get("code") if to is Status.FAILED else None
+            audit(f"batch.{to.value}", batch=id, owner=batch.owner, server=batch.lease_holder, total=batch.total,
+                  completed=batch.completed, failed=batch.failed, reason=reason)
+        return batch
 
     def update(self, id: str, **changes: Any) -> None:
         """Set fields of batch ``id`` that are not its status (counts, files, runs)."""
@@ -226,6 +373,64 @@ class Store:
         with self.engine.begin() as db:
             db.execute(t.update().where(t.c.id == id).values(completed=t.c.completed + completed,
                                                                failed=t.c.failed + failed))
+
+    # ---- what the metrics read ---------------------------------------------------------------------------------
+    def stats(self) -> "Stats":
+        """Counts over every batch, in two aggregate queries (a scrape's cost does not grow with the batches'
+        requests)."""
+        t = batches_table
+        by_status = sa.select(t.c.status, sa.func.count(), sa.func.sum(t.c.total), sa.func.sum(t.c.completed),
+                              sa.func.sum(t.c.failed), sa.func.sum(t.c.input_tokens),
+                              sa.func.sum(t.c.output_tokens), sa.func.min(t.c.created_at)).group_by(t.c.status)
+        leases = sa.select(t.c.lease_holder, sa.func.count()).where(
+            t.c.lease_holder.is_not(None), t.c.lease_until > time.time()).group_by(t.c.lease_holder)
+        with self.engine.connect() as db:
+            rows = db.execute(by_status).all()
+            held = dict(db.execute(leases).all())
+        stats = Stats(leases=held)
+        for status, n, total, completed, failed, tokens_in, tokens_out, oldest in rows:
+            stats.batches[status] = n
+            stats.completed += completed or 0
+            stats.failed += failed or 0
+            stats.input_tokens += tokens_in or 0
+            stats.output_tokens += tokens_out or 0
+            if Status(status) not in lifecycle.FINAL:
+                stats.requests_left += (total or 0) - (completed or 0) - (failed or 0)
+            if status == Status.VALIDATING.value:
+                stats.oldest_queued = oldest
+        return stats
+
+    # ---- leases: which server runs a batch ----------------------------------------------------------------------
+    def claim(self, id: str, holder: str, seconds: float) -> bool:
+        """Take batch ``id`` for server ``holder`` for ``seconds``: when nobody holds it, ``holder`` already does,
+        or the holder's lease ran out (that server died or lost the database). One UPDATE whose condition the
+        database checks against the row as it is when the update runs, so of two servers claiming at once one
+        gets it."""
+        now = time.time()
+        t = batches_table
+        free = sa.or_(t.c.lease_holder.is_(None), t.c.lease_holder == holder, t.c.lease_until < now)
+        with self.engine.begin() as db:
+            taken = db.execute(t.update().where(t.c.id == id, free)
+                               .values(lease_holder=holder, lease_until=now + seconds)).rowcount
+        return bool(taken)
+
+    def renew(self, ids: list[str], holder: str, seconds: float) -> set[str]:
+        """Extend ``holder``'s leases on ``ids``; the ids it still holds (a lease lost to another server is not
+        among them)."""
+        if not ids:
+            return set()
+        t = batches_table
+        with self.engine.begin() as db:
+            db.execute(t.update().where(t.c.id.in_(ids), t.c.lease_holder == holder)
+                       .values(lease_until=time.time() + seconds))
+            return {r[0] for r in db.execute(sa.select(t.c.id).where(t.c.id.in_(ids), t.c.lease_holder == holder))}
+
+    def release(self, id: str, holder: str) -> None:
+        """Let go of ``holder``'s lease on ``id`` (its run ended, or the server stops: another may take it now)."""
+        t = batches_table
+        with self.engine.begin() as db:
+            db.execute(t.update().where(t.c.id == id, t.c.lease_holder == holder)
+                       .values(lease_holder=None, lease_until=None))
 
     # ---- paging --------------------------------------------------------------------------------------------------
     def _page(self, t: sa.Table, query: Any, limit: int, after: Optional[str], newest_first: bool,

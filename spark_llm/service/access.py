@@ -1,0 +1,46 @@
+"""Who is calling and what the routes work with: the :class:`Service` (settings, store, file storage, scheduler,
+keys) and the caller's owner id from their API key, shared by every router of the API."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from .files import FileStorage
+from .protocol import APIError
+from .scheduler import Scheduler
+from .settings import NO_KEY_OWNER, ServiceSettings
+from .store import Store
+
+
+@dataclass(frozen=True)
+class Service:
+    """What the routes work with."""
+
+    settings: ServiceSettings
+    store: Store
+    files: FileStorage
+    scheduler: Scheduler
+    keys: dict[str, str]  #: API key -> owner id; empty: no keys, one owner
+
+
+def service_of(request: Request) -> Service:
+    return request.app.state.service
+
+
+def owner(request: Request) -> str:
+    """The caller's owner id, from ``Authorization: Bearer <key>`` (401 without a known key)."""
+    keys = service_of(request).keys
+    if not keys:
+        return NO_KEY_OWNER
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or key.strip() not in keys:
+        raise APIError(401, "Incorrect API key provided. Give one of this server's keys as 'Authorization: "
+                       "Bearer <key>'.", code="invalid_api_key")
+    return keys[key.strip()]
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]

@@ -1,0 +1,184 @@
+"""The batch service's API without Spark: a real uvicorn server on 127.0.0.1 in this process (its scheduler not
+started: nothing runs), driven by the real openai-python client. Chunked uploads (OpenAI's Uploads API), the
+health, readiness and audit records."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+KEY = "sk-api-test"
+LIMITED = "sk-api-limited"  #: a key with limits of its own (its line in the keys file)
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    import uvicorn
+
+    from spark_llm.config import BatchConfig
+    from spark_llm.service import audit
+    from spark_llm.service.access import Service
+    from spark_llm.service.api import create_app
+    from spark_llm.service.files import FileStorage
+    from spark_llm.service.scheduler import Scheduler
+    from spark_llm.service.settings import ServiceSettings
+    from spark_llm.service.store import Store
+
+    root = tmp_path_factory.mktemp("api")
+    keys = root / "keys.txt"
+    keys.write_text(f"{KEY}\n{LIMITED} priority=low max_queued_batches=2 max_enqueued_tokens=1000\n")
+    settings = ServiceSettings(storage=str(root / "storage"), api_keys=str(keys))
+    files = FileStorage(settings.storage)
+    handler = audit.write_to(settings.audit_path())
+    store = Store(settings.database())
+    scheduler = Scheduler(BatchConfig(model="/m"), settings, store, files, session=lambda: None)
+    app = create_app(Service(settings=settings, store=store, files=files, scheduler=scheduler,
+                             keys=settings.keys()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield {"port": port, "root": root, "store": store, "scheduler": scheduler,
+           "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)}
+    server.should_exit = True
+    thread.join(10)
+    store.close()
+    audit.logger.removeHandler(handler)
+    handler.close()
+
+
+def jsonl(path: Path, lines: int) -> Path:
+    path.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                        "body": {"model": "m", "messages": [{"role": "user", "content": "x" * 50}]}})
+                            + "\n" for i in range(lines)))
+    return path
+
+
+def test_a_file_sent_in_parts_with_the_sdk_becomes_one_file_with_its_bytes_in_order(api, tmp_path):
+    client = api["client"]
+    source = jsonl(tmp_path / "big.jsonl", 400)
+    data = source.read_bytes()
+    upload = client.uploads.upload_file_chunked(file=source, mime_type="application/jsonl", purpose="batch",
+                                                part_size=len(data) // 5 + 1, md5=hashlib.md5(data).hexdigest())
+    assert upload.status == "completed" and upload.file.bytes == len(data) and upload.file.filename == "big.jsonl"
+    assert client.files.content(upload.file.id).read() == data
+    assert client.files.retrieve(upload.file.id).purpose == "batch"
+    assert not list((api["root"] / "storage" / "uploads" / upload.id).glob("part_*"))  # the parts are gone
+
+
+def test_parts_are_put_together_in_the_order_completed_and_every_mistake_is_an_openai_error(api, tmp_path):
+    client = api["client"]
+    first, second = b'{"custom_id": "a"}\n', b'{"custom_id": "b"}\n'
+    upload = client.uploads.create(bytes=len(first + second), filename="two.jsonl", mime_type="application/jsonl",
+                                   purpose="batch")
+    assert upload.status == "pending"
+    a = client.uploads.parts.create(upload.id, data=first)
+    b = client.uploads.parts.create(upload.id, data=second)
+    with pytest.raises(openai.BadRequestError, match="MD5"):
+        client.uploads.complete(upload.id, part_ids=[a.id, b.id], md5="0" * 32)
+    with pytest.raises(openai.BadRequestError, match="each once"):
+        client.uploads.complete(upload.id, part_ids=[a.id, a.id])
+    with pytest.raises(openai.BadRequestError, match="hold 19 bytes"):
+        client.uploads.complete(upload.id, part_ids=[a.id])
+    done = client.uploads.complete(upload.id, part_ids=[b.id, a.id])  # the order given, not the order sent
+    assert client.files.content(done.file.id).read() == second + first
+    with pytest.raises(openai.BadRequestError, match="is completed"):
+        client.uploads.complete(upload.id, part_ids=[b.id, a.id])
+    with pytest.raises(openai.BadRequestError, match="purpose 'batch'"):
+        client.uploads.create(bytes=10, filename="x.jsonl", mime_type="text/plain", purpose="assistants")
+    with pytest.raises(openai.BadRequestError, match="at most 8000000000 bytes"):
+        client.uploads.create(bytes=9 * 1000 ** 3, filename="x.jsonl", mime_type="text/plain", purpose="batch")
+    small = client.uploads.create(bytes=5, filename="s.jsonl", mime_type="text/plain", purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="more than the bytes the upload was created for"):
+        client.uploads.parts.create(small.id, data=b"0123456789")  # past the size announced
+    with pytest.raises(openai.BadRequestError, match="binary"):
+        client.uploads.parts.create(small.id, data=b"\x00\x01")
+    with pytest.raises(openai.NotFoundError):
+        client.uploads.parts.create("upload_nope", data=b"x")
+
+
+def test_a_cancelled_upload_keeps_nothing(api):
+    client = api["client"]
+    upload = client.uploads.create(bytes=4, filename="c.jsonl", mime_type="text/plain", purpose="batch")
+    client.uploads.parts.create(upload.id, data=b"{}\n")
+    assert client.uploads.cancel(upload.id).status == "cancelled"
+    assert not list((api["root"] / "storage" / "uploads" / upload.id).glob("part_*"))
+    with pytest.raises(openai.BadRequestError, match="is cancelled"):
+        client.uploads.parts.create(upload.id, data=b"{}\n")
+
+
+def test_health_ready_and_the_audit_log(api):
+    import httpx
+
+    base = f"http://127.0.0.1:{api['port']}"
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{base}/ready")  # the scheduler never started: no Spark session
+    assert ready.status_code == 503 and ready.json()["problems"] == ["spark: the session is starting"]
+    assert httpx.get(f"{base}/v1/batches").status_code == 401
+    lines = [json.loads(x) for x in (api["root"] / "storage" / "audit.jsonl").read_text().splitlines()]
+    assert {"upload.created", "upload.completed", "upload.cancelled", "api"} <= {a["action"] for a in lines}
+    assert any(a["action"] == "api" and a["status"] == 401 and a["owner"] == "unknown" for a in lines)
+    assert KEY not in (api["root"] / "storage" / "audit.jsonl").read_text()
+
+
+def test_a_file_past_its_expires_after_is_deleted_and_gone_from_the_api(api, tmp_path):
+    from spark_llm.service.store import files_table
+
+    client = api["client"]
+    kept = client.files.create(file=jsonl(tmp_path / "kept.jsonl", 2).open("rb"), purpose="batch")
+    doomed = client.files.create(file=jsonl(tmp_path / "doomed.jsonl", 2).open("rb"), purpose="batch",
+                                 expires_after={"anchor": "created_at", "seconds": 3600})
+    assert doomed.expires_at == doomed.created_at + 3600
+    scheduler = api["scheduler"]
+    assert scheduler.expire_files() == []  # not yet
+    with api["store"].engine.begin() as db:  # an hour later
+        db.execute(files_table.update().where(files_table.c.id == doomed.id).values(expires_at=doomed.created_at))
+    assert scheduler.expire_files() == [doomed.id]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(doomed.id)
+    assert doomed.id not in {f.id for f in client.files.list()} and kept.id in {f.id for f in client.files.list()}
+    assert not (api["root"] / "storage" / "files" / doomed.id).exists()
+    assert any(a.get("file") == doomed.id and a["action"] == "file.expired" for a in
+               map(json.loads, (api["root"] / "storage" / "audit.jsonl").read_text().splitlines()))
+
+
+def test_priority_from_metadata_or_the_key_and_the_key_s_limits(api, tmp_path):
+    client, store, scheduler = api["client"], api["store"], api["scheduler"]
+    source = client.files.create(file=jsonl(tmp_path / "p.jsonl", 2).open("rb"), purpose="batch")
+    urgent = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                   metadata={"priority": "high"})
+    plain = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert (store.batch(urgent.id).priority, store.batch(plain.id).priority) == ("high", "normal")
+    with pytest.raises(openai.BadRequestError, match="metadata.priority must be one of high, normal, low"):
+        client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"priority": "urgent"})
+    limited = openai.OpenAI(base_url=f"http://127.0.0.1:{api['port']}/v1", api_key=LIMITED, max_retries=0)
+    small = limited.files.create(file=jsonl(tmp_path / "small.jsonl", 2).open("rb"), purpose="batch")  # ~300 tokens
+    first = limited.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert store.batch(first.id).priority == "low"  # the key's default
+    second = limited.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.RateLimitError, match="2 unfinished batches, its limit"):
+        limited.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert not scheduler.refused_for_tokens(store.batch(first.id))
+    big = limited.files.create(file=jsonl(tmp_path / "big.jsonl", 40).open("rb"), purpose="batch")
+    limited.batches.cancel(second.id)
+    from spark_llm.service.lifecycle import Status
+
+    store.move(second.id, Status.CANCELLED)  # as the scheduler ends a cancelled batch
+    third = limited.batches.create(input_file_id=big.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert scheduler.refused_for_tokens(store.batch(third.id))  # with the first, over 1,000 tokens
+    failed = limited.batches.retrieve(third.id)
+    assert failed.status == "failed" and failed.errors.data[0].code == "token_limit_exceeded"
+    assert "limit is 1,000 enqueued tokens" in failed.errors.data[0].message

@@ -1,0 +1,113 @@
+"""Several ``spark-llm serve`` processes sharing one real PostgreSQL database and one storage root: each batch is
+run by exactly one of them (its lease), either server answers for every batch, and a server that dies mid-batch
+loses its lease, which the other takes over, resuming the batch exactly once."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from conftest import write_jsonl, chat_line
+from test_service import Server, long_input, one_row_each, upload, wait_for
+
+pytestmark = pytest.mark.engine
+
+LEASE_SECONDS = 6
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory, postgres):
+    storage = tmp_path_factory.mktemp("shared-storage")
+    pair = {name: Server(tmp_path_factory.mktemp(f"server-{name}"), tiny_model, storage=storage, extra=(
+        "--database-url", postgres.url, "--server-id", name, "--lease-seconds", str(LEASE_SECONDS)))
+        for name in ("a", "b")}
+    try:
+        for server in pair.values():
+            server.start()
+        yield pair
+    finally:
+        for server in pair.values():
+            server.stop()
+
+
+def runs_by_server(servers: dict) -> dict[str, list[tuple[str, str]]]:
+    """Each server's runs, as its logs record them: (batch id, run number)."""
+    return {name: [run for log in sorted(s.root.glob("server-*.log"))
+                   for run in re.findall(r"batch (batch_\w+): run (\d+) starts", log.read_text(errors="replace"))]
+            for name, s in servers.items()}
+
+
+def test_each_batch_runs_once_on_one_server_and_either_server_answers_for_it(servers, tmp_path):
+    a, b = servers["a"].client(), servers["b"].client()
+    created = []
+    for n in range(6):
+        client = (a, b)[n % 2]
+        source = upload(client, write_jsonl(tmp_path / f"small-{n}.jsonl",
+                                            [chat_line(f"s{n}-{i}", f"Say {i}.", max_tokens=4) for i in range(12)]))
+        created.append(client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h"))
+    for batch in created:
+        done = wait_for(b, batch.id)  # asked of the other server for half of them
+        assert done.status == "completed", (servers["a"].log(), servers["b"].log())
+        out, err = one_row_each(servers["a"], done)
+        assert len(out) == 12 and not err
+    runs = runs_by_server(servers)
+    ran = [batch for per_server in runs.values() for batch, _ in per_server]
+    assert sorted(ran) == sorted(b.id for b in created)  # every batch, each by one server, in one run
+    assert all(n == "1" for per_server in runs.values() for _, n in per_server)
+    assert all(runs.values()), runs  # both servers took batches from the shared queue
+
+
+def test_a_dead_server_s_batch_is_taken_over_and_resumed_exactly_once(servers, tmp_path, postgres, spark):
+    import sqlalchemy as sa
+
+    from spark_llm.service.settings import ServiceSettings
+
+    client = servers["a"].client()
+    source = upload(client, long_input(tmp_path / "long.jsonl"))
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(client, batch.id, until=lambda x: x.request_counts.completed > 0 or x.status != "validating")
+    engine = sa.create_engine(ServiceSettings(database_url=postgres.url).database())
+    with engine.connect() as db:
+        holder = db.execute(sa.text("SELECT lease_holder FROM batches WHERE id = :id"), {"id": batch.id}).scalar()
+    engine.dispose()
+    assert holder in servers, holder
+    survivor = servers["b" if holder == "a" else "a"]
+    servers[holder].stop()  # the whole server: its process, JVM and engines, as a host that dies
+    t0 = time.time()
+    done = wait_for(survivor.client(), batch.id, timeout=600)
+    assert done.status == "completed", survivor.log()
+    out, err = one_row_each(survivor, done)
+    assert (len(out), len(err)) == (240, 0)
+    ids = (spark.read.format("delta").load(str(survivor.storage / "tables" / "outputs"))
+           .where(f"batch_id = '{batch.id}'").groupBy("custom_id").count())
+    assert ids.count() == 240 and ids.where("count > 1").count() == 0
+    taken_over = [n for b, n in runs_by_server({"s": survivor})["s"] if b == batch.id]
+    assert taken_over and int(taken_over[0]) >= 2, survivor.log()  # a resumed run, after the dead server's
+    assert time.time() - t0 >= LEASE_SECONDS - 1  # not before the dead server's lease ran out
+
+
+def test_the_database_down_for_a_while_loses_nothing(servers, tmp_path, postgres):
+    """PostgreSQL stopped mid-batch: /ready says so, the servers stop their runs before their leases run out, and
+    once it is back the batch is taken again and finishes with every line exactly once."""
+    import httpx
+
+    live = [s for s in servers.values() if s.proc is not None and s.proc.poll() is None]
+    client = live[0].client()
+    source = upload(client, long_input(tmp_path / "long.jsonl", n=120))
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(client, batch.id, until=lambda x: x.request_counts.completed > 0 or x.status != "validating")
+    postgres.pause()
+    try:
+        time.sleep(2)
+        ready = httpx.get(f"http://127.0.0.1:{live[0].port}/ready", timeout=30)
+        assert ready.status_code == 503 and "database" in ready.json()["problems"][0]
+        time.sleep(LEASE_SECONDS * 2)
+    finally:
+        postgres.resume()
+    done = wait_for(client, batch.id, timeout=600)
+    assert done.status == "completed", [s.log() for s in live]
+    out, err = one_row_each(live[0], done)
+    assert (len(out), len(err)) == (120, 0)
