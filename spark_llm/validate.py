@@ -7,6 +7,7 @@ them to the raw-line DataFrame in ``mapInPandas`` (the prepare stage, :mod:`spar
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import re
@@ -109,23 +110,32 @@ def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: Val
 
 #: How much of an over-long line is searched for its custom_id.
 _RECOVERY_BYTES = 64 * 1024
-_LEADING_ID = re.compile(r'^\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false)')
+#: A custom_id at the start of a broken line: a JSON object's (``{"custom_id": ...``), a Python dict's repr
+#: (``{'custom_id': '...'``), or the one physical line of a pretty-printed object that holds it
+#: (``  "custom_id": "...",``).
+_LEADING_ID = re.compile(r"""^\s*\{?\s*(["'])custom_id\1\s*:\s*("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'"""
+                         r"""|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|True|False)""")
 
 
 def recover_custom_id(data: bytes) -> Optional[str]:
     """The custom_id a broken line shows, as a string: decoded with replacement characters, parsed leniently
-    (NaN, extra data after the object), else read from a leading ``{"custom_id": ...``; a non-string value as its
+    (NaN, extra data after the object), else read from its start (:data:`_LEADING_ID`); a non-string value as its
     JSON text (``12345`` -> ``"12345"``). None when the line shows none (or ``null``)."""
     text = data.decode("utf-8", "replace")
     value: Any = None
     try:
         obj, _ = json.JSONDecoder().raw_decode(text.lstrip())
-        value = obj.get("custom_id") if isinstance(obj, dict) else None
     except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict):
+        value = obj.get("custom_id")
+    else:  # not an object (a pretty-printed object's line starts as a string) or not JSON
         match = _LEADING_ID.match(text)
         if match:
-            with contextlib.suppress(ValueError):
-                value = json.loads(match.group(1))
+            with contextlib.suppress(ValueError, SyntaxError):
+                literal = match.group(2)
+                value = ast.literal_eval(literal) if literal[0] == "'" or literal in ("True", "False") else \
+                    json.loads(literal)
     if value is None:
         return None
     cid = value if isinstance(value, str) else truncate(json.dumps(value, ensure_ascii=False), 200)
