@@ -29,6 +29,10 @@ GROUPS = ("input", "table input", "output", "model and engine", "sampling defaul
           "partitioning and waves")
 
 
+#: Batch priorities, most urgent first (``priority``; the batch service's ``metadata.priority``).
+PRIORITIES = ("high", "normal", "low")
+
+
 def group(name: str) -> dict[str, Any]:
     """Field metadata: the setting's help group."""
     assert name in GROUPS, name
@@ -126,6 +130,11 @@ class BatchConfig(BaseModel):
         "becomes an error row with this code and the batch is cancelled (or expired), as OpenAI lists the requests "
         "of a batch it ended early; a later --resume without it runs them after all.",
         json_schema_extra=group("output"))
+    priority: Literal["high", "normal", "low"] = Field(
+        "normal", description="The batch's turn on engines it shares with other batches of one application (the "
+        "batch service runs several on one session): a high-priority batch's inference tasks take the next free "
+        "task slot, and its requests the next free places in each engine's batch.",
+        json_schema_extra=group("partitioning and waves"))
     retry_errors: bool = Field(
         False, description="With resume: run again the requests whose earlier error was transient (engine_error).",
         json_schema_extra=group("output"))

@@ -20,7 +20,7 @@ from .config import BatchConfig
 from .engine_host.placement import EngineLayout, config_layout, inference_profile
 from .metrics import ListParam
 from .models import resolve, resolve_models
-from .session import default_parallelism, is_connect, local_task_threads, spark_conf
+from .session import URGENT_POOL, default_parallelism, is_connect, local_task_threads, scheduler_pool, spark_conf
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,12 @@ class RunContext:
         """Name the Spark jobs that follow (shown in the Spark UI; a Connect session's jobs carry the run's tag)."""
         if not is_connect(self.spark):
             self.spark.sparkContext.setJobDescription(f"spark_llm {self.batch_id}: {stage}")
+
+    def pool(self) -> Any:
+        """A block whose Spark jobs (and those of threads it starts) a local session's fair scheduler serves by the
+        batch's priority: a high-priority batch's in :data:`~spark_llm.session.URGENT_POOL`, ahead of the other
+        batches' queued tasks (the batch service runs several on one session); others as they are."""
+        return scheduler_pool(self.spark, URGENT_POOL) if self.cfg.priority == "high" else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def job_group(self) -> Iterator[None]:

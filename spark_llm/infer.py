@@ -44,6 +44,7 @@ class InferContext:
     run_id: str = ""               #: the run (an engine that cannot start is not tried again within it)
     #: planned partitions of the run before this model's (a batch of several models numbers them across its models)
     partition_offset: int = 0
+    priority: int = 1  #: the batch's turn in the engines it shares (0 most urgent: config.PRIORITIES' index)
     #: where the inference tasks feed engines (:attr:`~spark_llm.engine_host.placement.EngineLayout.place`); the
     #: task adds the GPUs Spark gives it
     place: TaskPlace = TaskPlace()
@@ -79,6 +80,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     journal = Journal.open(ctx.journal, ctx.partition(pdf))
     place = dataclasses.replace(ctx.place, gpus=tuple(gpus)) if gpus else ctx.place
     with engine_for(ctx.engine, ctx.process, place, ctx.run_id) as engine:
+        engine.priority = ctx.priority
         t0, engine_started = time.monotonic(), time.time()
         guarded = generate_guarded(engine, requests, owner, pdf, journal, answer)
         engine_s = time.monotonic() - t0 - engine.rebuild_seconds

@@ -52,7 +52,7 @@ def run_batch(spark: SparkSession, config: BatchConfig, listener: Optional[RunLi
     if (warning := retry_budget_warning(conf)) is not None:
         log.warning("%s", warning)
     run = RunContext.start(spark, config, listener)
-    with run.job_group(), EngineWarmup.started(run) as warmup:  # engines load while the batch is prepared
+    with run.job_group(), run.pool(), EngineWarmup.started(run) as warmup:  # engines load while it is prepared
         run = write.prepare_destination(run)
         log.info("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))
         try:

@@ -49,6 +49,9 @@ LOCAL_DEFAULTS = {
 #: first when an engine's task ends (commits, a wave's shuffle), and the inference tasks', in wave order.
 FIRST_POOL = "spark_llm-commit"
 WAVES_POOL = "spark_llm-waves"
+#: The pool of a high-priority batch's inference tasks (the batch service runs several batches on one session): served
+#: before the waves' pool when a task slot frees.
+URGENT_POOL = "spark_llm-urgent"
 #: JVM options of a local session's driver (which is also its executor): the client compiler only. A short run
 #: otherwise spends more CPU time in the JIT's optimising compiler than in Spark's own work, on the same cores as
 #: the engines; the work a local JVM does (reading, shuffles, Delta commits) is small beside the engines'. Options

@@ -30,7 +30,7 @@ from pyspark.sql import functions as F
 from . import faults, storage, write
 from .background import SparkJobInBackground
 from .context import RunContext
-from .config import BatchConfig, config_view
+from .config import PRIORITIES, BatchConfig, config_view
 from .engine_host import EngineSpec, Executor, ProcessSettings, prestart_slots
 from .engine_host.placement import config_layout, has_gpus, inference_profile
 from .errors import EngineStartError
@@ -40,9 +40,9 @@ from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions, plan_settings
 from .prepare import LocalRows, Outcomes
 from .schemas import RESULT_SCHEMA
-from .session import (FIRST_POOL, WAVES_POOL, is_connect, is_local_master, local_executor, local_parallelism,
-                      local_session_conf, local_task_threads, local_worker_env, scheduler_pool, set_local_environment,
-                      spark_conf)
+from .session import (FIRST_POOL, URGENT_POOL, WAVES_POOL, is_connect, is_local_master, local_executor,
+                      local_parallelism, local_session_conf, local_task_threads, local_worker_env, scheduler_pool,
+                      set_local_environment, spark_conf)
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,8 @@ def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
     return InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
                         batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics,
                         journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
-                        partition_offset=numbering.partitions, place=run.layout.place)
+                        partition_offset=numbering.partitions, place=run.layout.place,
+                        priority=PRIORITIES.index(run.cfg.priority))
 
 
 @dataclass(frozen=True)
@@ -350,7 +351,8 @@ class _WaveJob(_EngineJob):
             with scheduler_pool(run.spark, FIRST_POOL):
                 requests = requests.localCheckpoint(eager=True)  # the shuffle now, not when an engine waits for it
         results = requests.mapInPandas(lambda it: infer_partition(it, ictx), RESULT_SCHEMA, profile=run.gpu_profile)
-        with scheduler_pool(run.spark, WAVES_POOL):  # in order, beside the commits' pool
+        pool = URGENT_POOL if run.cfg.priority == "high" else WAVES_POOL
+        with scheduler_pool(run.spark, pool):  # in order, beside the commits' pool
             results.write.mode("overwrite").parquet(self.staging)
 
 

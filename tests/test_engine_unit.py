@@ -723,3 +723,30 @@ def test_an_engine_s_imports_run_without_the_cyclic_collector_and_end_up_frozen(
             gc.enable()
     finally:
         gc.unfreeze()
+
+
+def test_an_urgent_stream_s_requests_go_into_the_engine_before_an_older_stream_s_rest():
+    """The batch service's high-priority batch beside a large one: once the engine has room, the urgent call's
+    requests go in before the rest of the older call's, whose requests then follow."""
+    import threading
+
+    fake = FakeLLM(step_seconds=0.05)  # one request finishes a step: the older call drains for a while
+    serving = Serving(fake)
+    serving.server.backlog = 4
+    results: dict[str, list] = {"old": [], "urgent": []}
+
+    def call(name: str, requests: list, priority: int) -> None:
+        client = serving.client()
+        client.priority = priority
+        client.stream(requests, lambda i, r: results[name].append(i))
+    old = threading.Thread(target=call, args=("old", [request(t) for t in range(10, 20)], 1))
+    old.start()
+    until(lambda: len(fake.added) >= 4)  # the older call fills the engine
+    urgent = threading.Thread(target=call, args=("urgent", [request(t) for t in range(50, 53)], 0))
+    urgent.start()
+    for t in (old, urgent):
+        t.join(60)
+    assert len(results["old"]) == 10 and len(results["urgent"]) == 3
+    first_urgent = fake.added.index(50)
+    assert fake.added[first_urgent:first_urgent + 3] == [50, 51, 52]  # together, as places freed
+    assert first_urgent <= 6 and fake.added[-1] == 19  # before most of the older call's rest

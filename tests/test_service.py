@@ -5,6 +5,7 @@ batches.retrieve -> files.content, with two API keys, cancels, an expired window
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 import json
 import os
@@ -352,6 +353,7 @@ def test_health_ready_metrics_and_the_audit_log(server, tmp_path):
     assert values['spark_llm_batches{status="completed"}'] >= 1 and values["spark_llm_spark_ready"] == 1
     assert values['spark_llm_requests_total{outcome="completed"}'] >= 1
     assert 'spark_llm_engines{slot=' in text  # the server's CPU engines, ready
+    assert sum(v for k, v in values.items() if k.startswith("spark_llm_engine_busy_seconds_total")) > 0
     # every metric the alert rules name is one the server exposes
     rules = (Path(__file__).resolve().parents[1] / "conf" / "prometheus-alerts.yaml").read_text()
     named = set(re.findall(r"\b(spark_llm_[a-z_]+)", rules)) - {"spark_llm_gpu_utilization_ratio"}  # GPUs only
@@ -408,3 +410,43 @@ def test_the_dashboard_in_a_real_browser(server, tmp_path):
         browser.close()
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     assert wait_for(client, running.id).status == "cancelled"
+
+
+def test_a_server_killed_during_an_upload_leaves_no_file_a_client_can_download(server, tmp_path):
+    import threading
+
+    import httpx
+
+    files = server.storage / "files"
+    before = {f.id for f in server.client().files.list()}
+    stored = {p.name for p in files.iterdir() if not p.name.endswith(".partial")} if files.exists() else set()
+    line = json.dumps(chat_line("k", max_tokens=2)).encode() + b"\n"
+
+    def body():
+        yield (b"--k\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--k\r\nContent-Disposition: "
+               b"form-data; name=\"file\"; filename=\"killed.jsonl\"\r\n\r\n")
+        for _ in range(2000):
+            yield line * 50
+            time.sleep(0.02)
+        yield b"\r\n--k--\r\n"
+
+    def send() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"http://127.0.0.1:{server.port}/v1/files", content=body(), timeout=120, headers={
+                "Authorization": f"Bearer {KEY_A}", "Content-Type": "multipart/form-data; boundary=k"})
+    sender = threading.Thread(target=send)
+    sender.start()
+    deadline = time.time() + 60
+    while not list(files.glob("*.partial")) and time.time() < deadline:
+        time.sleep(0.05)
+    assert list(files.glob("*.partial")), "the upload never reached the server"
+    server.kill9()
+    sender.join(60)
+    server.start()
+    client = server.client()
+    assert {f.id for f in client.files.list()} == before
+    assert {p.name for p in files.iterdir() if not p.name.endswith(".partial")} == stored  # none under a final name
+    from spark_llm.service.files import FileStorage
+
+    assert FileStorage(str(server.storage)).sweep_partials(older_than=0) >= 1  # what a later start cleans up
+    assert not list(files.glob("*.partial"))

@@ -5,6 +5,7 @@ health, readiness and audit records."""
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import socket
 import threading
@@ -182,3 +183,48 @@ def test_priority_from_metadata_or_the_key_and_the_key_s_limits(api, tmp_path):
     failed = limited.batches.retrieve(third.id)
     assert failed.status == "failed" and failed.errors.data[0].code == "token_limit_exceeded"
     assert "limit is 1,000 enqueued tokens" in failed.errors.data[0].message
+
+
+def test_hostile_uploads_leave_nothing_a_client_can_download(api, tmp_path):
+    """A 10 KB name and a multipart body cut off mid-file (the client's connection dropped) are refused or dropped;
+    no record, and no file under its final name, is left."""
+    client, storage = api["client"], api["root"] / "storage" / "files"
+    before, stored = {f.id for f in client.files.list()}, {p.name for p in storage.iterdir()}
+    with pytest.raises(openai.BadRequestError, match="headers, its filename among them, are limited"):
+        client.files.create(file=("x" * 10_000 + ".jsonl", b'{"a": 1}\n'), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="1 to 255 characters"):
+        client.files.create(file=("x" * 300 + ".jsonl", b'{"a": 1}\n'), purpose="batch")
+    body = (b"--cut\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            b"--cut\r\nContent-Disposition: form-data; name=\"file\"; filename=\"cut.jsonl\"\r\n\r\n"
+            + b'{"custom_id": "c", "method": "POST"}\n' * 200)
+    with socket.create_connection(("127.0.0.1", api["port"])) as s:
+        s.sendall(b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: multipart/form-data; boundary=cut\r\nContent-Length: 1000000\r\n\r\n" + body)
+        time.sleep(0.5)  # the server is writing the file part when the client goes away
+    deadline = time.time() + 10
+    while list(storage.glob("*.partial")) and time.time() < deadline:
+        time.sleep(0.1)
+    assert {f.id for f in client.files.list()} == before
+    assert not list(storage.glob("*.partial"))
+    assert {p.name for p in storage.iterdir()} == stored  # nothing new under any name
+
+
+def test_metrics_report_the_queue_and_this_host_s_gpus(api, tmp_path, monkeypatch):
+    import httpx
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"  # what nvidia-smi --query-gpu=index,memory.used,memory.total,... prints
+    smi.write_text("#!/bin/sh\nprintf '0, 1024, 81920, 37\\n1, [N/A], 81920, 0\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    base = f"http://127.0.0.1:{api['port']}"
+    assert httpx.get(f"{base}/metrics").status_code == 401
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['spark_llm_gpu_memory_used_bytes{gpu="0"}'] == 1024 * (1 << 20)
+    assert values['spark_llm_gpu_utilization_ratio{gpu="0"}'] == 0.37
+    assert 'spark_llm_gpu_memory_used_bytes{gpu="1"}' not in values  # a board that does not say
+    assert values["spark_llm_spark_ready"] == 0  # this server's scheduler never started
+    assert values['spark_llm_batches{status="validating"}'] >= 1  # the batches the other tests created

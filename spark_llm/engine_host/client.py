@@ -146,6 +146,7 @@ class EngineClient:
     _spec: Optional[EngineSpec] = field(repr=False, default=None)
     _process: Optional[ProcessSettings] = field(repr=False, default=None)
     rebuilds: int = 0       #: engines this task started again after one died under it
+    priority: int = 1       #: the calls' turn in the engine (0 most urgent: config.PRIORITIES' index)
     rebuild_seconds: float = 0.0  #: seconds this task spent waiting for dead engines to be rebuilt
 
     @property
@@ -204,7 +205,7 @@ class EngineClient:
         try:
             if starting is not None:
                 starting()
-            self._conn.send((Ask.STREAM, len(requests)))
+            self._conn.send((Ask.STREAM, len(requests), self.priority))
             for start in range(0, len(requests), STREAM_CHUNK):
                 self._conn.send((Ask.ADD, [(i, requests[i]) for i in range(start, min(start + STREAM_CHUNK,
                                                                                        len(requests)))]))

@@ -7,10 +7,11 @@ or that is reached through a symbolic link is refused.
 
 Per slot ``<name>``: ``.starting`` (the process starting its engine: pid, key, devices) until ``.json`` (the ready
 server: pid, key, devices, socket key, load time); ``.error`` (why its engine could not start); ``.sock``; ``.log``
-(the engine process's output); ``.spec`` (the engine's settings); ``.start.lock`` (held while a task decides to
-start one); ``.feed-<i>.lock`` (see :class:`~spark_llm.engine_host.client.Feed`). Per device: ``device-<d>.lock``,
-held by the engine process using it for its whole life. ``events.jsonl``: one JSON line per engine start, ready and
-stop, which the tests read as the engines' own records.
+(the engine process's output); ``.spec`` (the engine's settings); ``.stats`` (its busy seconds so far);
+``.start.lock`` (held while a task decides to start one); ``.feed-<i>.lock`` (see
+:class:`~spark_llm.engine_host.client.Feed`). Per device: ``device-<d>.lock``, held by the engine process using it
+for its whole life. ``events.jsonl``: one JSON line per engine start, ready and stop, which the tests read as the
+engines' own records.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class SlotFile:
     LOG = ".log"
     SPEC = ".spec"
     START_LOCK = ".start.lock"
+    STATS = ".stats"  #: the running server's busy seconds (see EngineServer.record_busy)
 
 
 _checked: set[str] = set()

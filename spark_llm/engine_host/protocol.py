@@ -5,7 +5,7 @@ A task's connection (:mod:`~spark_llm.engine_host.client`) carries calls, one af
 
     task -> engine   (Ask.PING,)                          is the engine still here for a call?
     engine -> task   (Reply.OK, None) | (Reply.GONE, why)
-    task -> engine   (Ask.STREAM, n)                       a call of n requests ...
+    task -> engine   (Ask.STREAM, n, priority)             a call of n requests (priority: 0 most urgent) ...
     task -> engine   (Ask.ADD, [(index, request), ...])    ... sent in chunks of STREAM_CHUNK
     engine -> task   (Reply.RESULTS, [(index, Output | RequestFailure), ...])   as requests finish
     engine -> task   (Reply.DONE, None) | (Reply.DEAD, why) | (Reply.GONE, why) | (Reply.ERROR, why)
@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 #: Version of what crosses the socket, part of every engine's key: a task never talks to an engine server of an
 #: older spark_llm that may still be running on the host.
-PROTOCOL = 4
+PROTOCOL = 5
 #: Requests per message of a streamed call: the engine starts on the first chunk while the rest are on their way.
 STREAM_CHUNK = 256
 

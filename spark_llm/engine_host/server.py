@@ -83,8 +83,9 @@ class _Stream:
     """One task's streamed call: ``total`` requests, whose results go back on its connection as they finish, then
     ``(Reply.DONE, None)`` (or ``(Reply.DEAD | Reply.ERROR, why)``)."""
 
-    def __init__(self, conn: Any, total: int):
+    def __init__(self, conn: Any, total: int, priority: int = 1):
         self.sender = _Sender(conn)
+        self.priority = priority  #: 0 most urgent: its requests go into the engine before other streams
         self.left = total
         self.unadded = total  #: requests not yet added to the engine (arrived or on their way)
         self.in_line = False  #: in the engine loop's line of streams to add requests from
@@ -148,6 +149,8 @@ class EngineServer:
         self.last_used = time.monotonic()
         self.called = False  #: a task has made a call (the idle clock runs from then on)
         self.beaten = time.monotonic()  #: when the streams in the engine last heard from it
+        self.busy_seconds = 0.0  #: time spent in engine steps and whole calls
+        self.recorded_busy = 0.0  #: what <slot>.stats says
 
     # ---- the connection threads ----------------------------------------------------------------------------
 
@@ -177,13 +180,13 @@ class EngineServer:
             if op != Ask.STREAM:
                 conn.send((Reply.ERROR, f"unknown op {op!r}"))
                 continue
-            if not self._receive_stream(conn, int(args[0])):
+            if not self._receive_stream(conn, int(args[0]), int(args[1]) if len(args) > 1 else 1):
                 return
 
-    def _receive_stream(self, conn: Any, total: int) -> bool:
+    def _receive_stream(self, conn: Any, total: int, priority: int = 1) -> bool:
         """Hand a stream's chunks to the engine loop as they arrive, then wait until it has ended; False when the
         connection broke."""
-        stream = _Stream(conn, total)
+        stream = _Stream(conn, total, priority)
         self.called = True
         with self.streams_lock:
             refused = self.stopping is not None
@@ -226,12 +229,16 @@ class EngineServer:
                 self._drop_gone(flight)
                 self._feed(flight)
                 if not flight:
+                    self.record_busy()
                     continue
+                t0 = time.monotonic()
                 try:
                     outs = self.engine.llm_engine.step()
                 except Exception as exc:
                     self._step_failed(exc, flight)
                     continue
+                finally:
+                    self.busy_seconds += time.monotonic() - t0
                 self._beat(flight)
                 finished: dict[_Stream, list] = {}
                 for out in outs:
@@ -262,6 +269,17 @@ class EngineServer:
         self.beaten = now
         for stream in {entry.stream for entry in flight.values()}:
             stream.sender.put((Reply.RESULTS, []))
+        self.record_busy()
+
+    def record_busy(self) -> None:
+        """The engine's busy seconds so far into ``<slot>.stats`` (read by the service's metrics: a counter whose
+        rate is the engine's busy fraction)."""
+        if self.busy_seconds == self.recorded_busy:
+            return
+        self.recorded_busy = self.busy_seconds
+        with contextlib.suppress(OSError):
+            write_private(self.slot.path(SlotFile.STATS), {"pid": os.getpid(), "busy_seconds": round(
+                self.busy_seconds, 3)})
 
     def _take(self, block: bool) -> None:
         """Queue what the connection threads handed over (waiting for something when the engine has nothing to do)
@@ -287,7 +305,11 @@ class EngineServer:
                 stream.pending.extend(chunk)
             elif op == "call":
                 stream, chunk = args
-                self._answer(stream, list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk]))))
+                t0 = time.monotonic()
+                try:
+                    self._answer(stream, list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk]))))
+                finally:
+                    self.busy_seconds += time.monotonic() - t0
             elif op == "stop":
                 reason, code, when = args
                 with self.streams_lock:
@@ -300,10 +322,10 @@ class EngineServer:
             self.stop(*self.stopping)
 
     def _feed(self, flight: dict[str, _InFlight]) -> None:
-        """Top the engine's backlog up from the oldest streams' requests (see the module docs). A stream keeps its
-        place until all its requests are in; while its next chunk is still on its way, the later streams wait for
-        it as long as the engine has half its backlog to work on."""
-        for stream in list(self.queued):
+        """Top the engine's backlog up from the most urgent, then oldest, streams' requests (see the module docs). A
+        stream keeps its place until all its requests are in; while its next chunk is still on its way, the later
+        streams wait for it as long as the engine has half its backlog to work on."""
+        for stream in sorted(self.queued, key=lambda s: s.priority):  # stable: the oldest first within a priority
             room = self.backlog - len(flight)
             if room <= 0:
                 return

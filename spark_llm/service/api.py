@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..config import PRIORITIES
 from ..endpoints import ENDPOINTS
 from . import monitor, ui, uploads
 from .access import Service, new_id, owner, service_of
@@ -21,7 +22,7 @@ from .audit import audit
 from .files import TextCheck, check_filename, receive_upload
 from .lifecycle import CANCELLABLE, Status
 from .protocol import APIError, Batch, BatchCreate, ExpiresAfter, FileDeleted, FileObject, Page
-from .settings import NO_KEY_OWNER, PRIORITIES
+from .settings import NO_KEY_OWNER
 from .store import BatchRecord, FileRecord
 
 log = logging.getLogger(__name__)

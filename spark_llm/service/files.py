@@ -17,6 +17,9 @@ from .protocol import APIError
 #: Bytes a download reads from storage at a time.
 CHUNK_BYTES = 1 << 20
 #: A filename a client may give: no path parts, no control characters, at most 255 characters.
+#: Age after which an upload's temporary file is taken for one cut off by a dead server (a server's own uploads
+#: finish well within it).
+PARTIAL_MAX_AGE_SECONDS = 3600.0
 _BAD_FILENAME = re.compile(r"[\x00-\x1f\x7f/\\]")
 
 
@@ -46,6 +49,25 @@ class FileStorage:
             with contextlib.suppress(Exception):
                 filesystem.delete_file(temporary)
             raise
+
+    def sweep_partials(self, older_than: float = PARTIAL_MAX_AGE_SECONDS) -> int:
+        """Delete what uploads cut off by a dead server left under temporary names (``*.partial``), once older than
+        ``older_than`` seconds (younger ones may be another server's uploads under way); how many went."""
+        import time
+
+        from pyarrow import fs
+
+        swept = 0
+        for kind in ("files", "uploads"):
+            filesystem, path = python_filesystem(self.location(kind))
+            selector = fs.FileSelector(path, recursive=True, allow_not_found=True)
+            for info in filesystem.get_file_info(selector):
+                if info.type == fs.FileType.File and info.base_name.endswith(".partial") and info.mtime is not None \
+                        and time.time() - info.mtime.timestamp() > older_than:
+                    with contextlib.suppress(OSError):
+                        filesystem.delete_file(info.path)
+                        swept += 1
+        return swept
 
     def chunks(self, location: str) -> Iterator[bytes]:
         filesystem, path = python_filesystem(location)
@@ -129,6 +151,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
     :class:`TextCheck`, or a :class:`PartCheck` for a chunked upload's part) and written to ``location``, the other
     parts are form fields (at most 64 KiB each). A refused upload leaves nothing stored; the body is still read to
     its end, so that the client reads the answer and not a reset."""
+    from python_multipart.exceptions import MultipartParseError
     from python_multipart.multipart import MultipartParser, parse_options_header
 
     kind, options = parse_options_header(content_type)
@@ -188,9 +211,21 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
         parser = MultipartParser(options[b"boundary"], {
             "on_header_field": on_header_field, "on_header_value": on_header_value, "on_header_end": on_header_end,
             "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end})
-        async for data in body:
-            parser.write(data)
-        parser.finalize()
+        broken = None
+        async for data in body:  # read to the end even when the body is refused: the client then reads the answer
+            if broken is None:
+                try:
+                    parser.write(data)
+                except MultipartParseError as exc:
+                    broken = exc
+        if broken is None:
+            try:
+                parser.finalize()
+            except MultipartParseError as exc:
+                broken = exc
+        if broken is not None:
+            raise APIError.invalid(f"The multipart body could not be read ({broken}); a part's headers, its "
+                                   "filename among them, are limited in size.", param=field)
         if failure:
             raise failure[0]  # the writer removes what it wrote
         if upload.filename is None:

@@ -101,16 +101,26 @@ def _engines() -> Iterator[Any]:
     """This host's engine processes (``spark-llm engines list``), ready or loading."""
     from prometheus_client.core import GaugeMetricFamily
 
+    from prometheus_client.core import CounterMetricFamily
+
     from ..engine_host import engines_here
+    from ..engine_host.directory import SlotFile
+    from ..host import read_record
 
     engines = GaugeMetricFamily("spark_llm_engines", "Engine processes of this host", labels=["slot", "state"])
+    busy = CounterMetricFamily("spark_llm_engine_busy_seconds", "Seconds an engine of this host spent stepping "
+                               "(its rate is the engine's busy fraction)", labels=["slot"])
     try:
         found = engines_here()
     except Exception:  # the engine directory is not usable here: no engines to report
         found = []
     for slot, info in found:
         engines.add_metric([slot.name, "ready" if info.get("authkey") else "loading"], 1)
+        stats = read_record(slot.path(SlotFile.STATS)) or {}
+        if stats.get("pid") == info.get("pid"):
+            busy.add_metric([slot.name], float(stats.get("busy_seconds") or 0))
     yield engines
+    yield busy
 
 
 #: nvidia-smi's query of each GPU's memory and utilisation (CSV, no units).

@@ -26,13 +26,13 @@ from typing import Any, Callable, Optional
 import sqlalchemy.exc
 
 from ..batch import TOKEN_LIMIT_EXCEEDED, BatchErrors, BatchResult, failure_reason
-from ..config import BatchConfig, ConfigError
+from ..config import PRIORITIES, BatchConfig, ConfigError
 from ..context import RunListener, cancel_batch_jobs
 from ..errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
 from .audit import audit
 from .files import FileStorage
 from .lifecycle import Status
-from .settings import PRIORITIES, ServiceSettings
+from .settings import ServiceSettings
 from .store import BatchRecord, FileRecord, Store
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class _Running:
     stop: Optional[Status] = None
     ending: bool = False  #: the run that ends the batch early (it is not stopped again)
     lost: bool = False  #: the lease went to another server: the run stops, and leaves the batch to it
+    done: bool = False  #: the run has ended (its lease let go): no more renewals
     priority: Optional[str] = None
 
     def request_stop(self, why: Status) -> None:
@@ -231,7 +232,7 @@ class Scheduler:
         if now - self._renewed_at < lease / 6:
             return
         self._renewed_at = now
-        ids = [r.batch_id for r in self._running.values() if not r.lost]
+        ids = [r.batch_id for r in self._running.values() if not r.lost and not r.done]
         try:
             held = self.store.renew(ids, self.holder, lease)
             self._held_at = now
@@ -300,6 +301,7 @@ class Scheduler:
         except Exception:
             log.exception("batch %s: the scheduler failed on it", batch.id)
         finally:
+            running.done = True
             if not running.lost and not self._stopping.is_set():
                 with contextlib.suppress(Exception):
                     self.store.release(batch.id, self.holder)
@@ -315,7 +317,9 @@ class Scheduler:
         return self.base.model_copy(update=dict(
             input=source.location, output_dir=self.files.location("batches", batch.id), batch_id=batch.id,
             tables_dir=self.files.location("tables"), resume=resume, overwrite=False,
-            finish_unanswered=finish_unanswered))
+            finish_unanswered=finish_unanswered, priority=batch.priority or "normal",
+            target_tokens_per_partition=min(self.base.target_tokens_per_partition,
+                                            self.settings.max_partition_tokens)))
 
     def _run(self, batch: BatchRecord, running: _Running) -> None:
         from ..pipeline import run_batch

@@ -66,6 +66,8 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     files = FileStorage(settings.storage)  # first: the default database and audit log live under it
     if settings.audit_path():
         audit.write_to(settings.audit_path())
+    if swept := files.sweep_partials():
+        log.info("removed %d temporary file(s) of uploads cut off by a server that stopped", swept)
     store = Store(settings.database())
     scheduler = Scheduler(base, settings, store, files, session=lambda: _session(base, spark_conf or {}, master,
                                                                                    remote))

@@ -13,7 +13,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import ConfigError
+from ..config import PRIORITIES, ConfigError
 
 #: Environment variable holding API keys (comma-separated) when no --api-keys file is given.
 API_KEYS_ENV = "SPARK_LLM_API_KEYS"
@@ -21,10 +21,6 @@ API_KEYS_ENV = "SPARK_LLM_API_KEYS"
 NO_KEY_OWNER = "local"
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-#: Batch priorities, most urgent first: a batch's metadata ``{"priority": ...}``, else its key's default.
-PRIORITIES = ("high", "normal", "low")
 
 
 @dataclass(frozen=True)
@@ -84,6 +80,10 @@ class ServiceSettings(BaseModel):
         None, ge=1, description="Input tokens a key's unfinished batches may hold at once, estimated as a file's "
         "bytes / 4 (OpenAI's enqueued token limit; default: no limit): a batch over it fails with "
         "token_limit_exceeded, as OpenAI's does. A key's own line in the keys file may say otherwise.")
+    max_partition_tokens: int = Field(
+        200_000, ge=1, description="Estimated tokens a partition of the service's batches holds at most (the job's "
+        "target_tokens_per_partition, capped): a partition keeps its task slot until it is done, so smaller ones let "
+        "a high-priority batch in sooner.")
     max_runs: int = Field(2, ge=1, description="Runs of a batch before a failing one is given up as failed (each "
                           "later run resumes the one before; bad settings and an engine that cannot start fail at "
                           "once).")

@@ -59,7 +59,7 @@ batches_table = sa.Table(
     # the server running the batch and until when its hold lasts without renewal (see Store.claim)
     sa.Column("lease_holder", sa.String(128)),
     sa.Column("lease_until", sa.Float),
-    sa.Column("priority", sa.String(8)),  # high, normal, low (settings.PRIORITIES)
+    sa.Column("priority", sa.String(8)),  # high, normal, low (config.PRIORITIES)
 )
 uploads_table = sa.Table(
     "uploads", metadata,
