@@ -1,6 +1,7 @@
-"""A real PostgreSQL for the tests and the service's benchmark: Debian's server binaries (``scripts/setup.sh`` installs the ``postgresql``
-package), a cluster made in a temporary directory and started on a free port of 127.0.0.1, stopped at the end. As
-root, PostgreSQL runs as the ``postgres`` user the package creates (it refuses to run as root)."""
+"""A real PostgreSQL for the tests and the service's benchmark: Debian's server binaries (``scripts/setup.sh``
+installs the ``postgresql`` package), a cluster made in a temporary directory and started on a free port of
+127.0.0.1, stopped at the end. As root, PostgreSQL runs as the ``postgres`` user the package creates (it refuses
+to run as root)."""
 
 from __future__ import annotations
 

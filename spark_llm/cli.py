@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 from .config import BatchConfig, ConfigError, new_batch_id, spark_conf_from_yaml
 from .flags import add_run_arguments
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spark-llm", description="Offline LLM batch inference on Spark with vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "tokens, partitions and waves, and an engine-time estimate. Loads no engine and "
                                       "writes nothing. Takes the same settings as run.")
     add_run_arguments(plan)
+    plan.add_argument("--tokens-per-second", type=float, default=None,
+                      help="prompt + generated tokens per second of one engine, for the time estimate (default: "
+                           "measured by earlier runs in the output's metrics table, if any)")
     from .service.server import add_serve_arguments
 
     serve = sub.add_parser("serve", help="serve OpenAI's Files and Batches API: batches uploaded with the OpenAI SDK "
@@ -39,9 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
                                          "engine stays for engine_idle_timeout_seconds after its last request; stop "
                                          "frees its GPUs now. In a notebook: spark_llm.stop_engines(spark).")
     engines.add_argument("action", choices=["list", "stop"])
-    plan.add_argument("--tokens-per-second", type=float, default=None,
-                      help="prompt + generated tokens per second of one engine, for the time estimate (default: "
-                           "measured by earlier runs in the output's metrics table, if any)")
     return parser
 
 

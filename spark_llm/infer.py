@@ -5,8 +5,9 @@ streamed call, beside the slot's other feeder (``tasks_per_engine``), so vLLM's 
 busy; each row's endpoint module (:mod:`~spark_llm.endpoints`)
 turns its outputs into the OpenAI response body. A request the engine rejects becomes that request's
 ``engine_error`` row (the failing batch is bisected to find it). A request that kills the engine is found and set
-aside by :mod:`~spark_llm.engine_host.isolation` (the engine is rebuilt in place; a dead worker's task is retried by Spark and
-its next attempt reads the partition's journal), so it becomes one ``engine_error`` row and the rest completes.
+aside by :mod:`~spark_llm.engine_host.isolation` (the engine is rebuilt in place; a dead worker's task is retried by
+Spark and its next attempt reads the partition's journal), so it becomes one ``engine_error`` row and the rest
+completes.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
     """All requests of the partition through the engine, in one streamed call unless deaths are on record;
     ``on_row(i, outputs)`` as soon as every request of row ``i`` has its result. A call during which the engine
     dies is recorded as a death, the engine rebuilt, and the rows not answered yet replanned
-    (:func:`~spark_llm.engine_host.isolation.isolation_plan`). While deaths are on record the partition runs alone on the
-    engine (:meth:`~spark_llm.engine_host.EngineClient.alone`): a death during its calls is then its own, never
+    (:func:`~spark_llm.engine_host.isolation.isolation_plan`). While deaths are on record the partition runs alone on
+    the engine (:meth:`~spark_llm.engine_host.EngineClient.alone`): a death during its calls is then its own, never
     a request of the slot's other feeder."""
     ids = [str(x) for x in pdf["id"]]
     row_of = {rid: i for i, rid in enumerate(ids)}

@@ -2,9 +2,9 @@
 
 Files: with a classic session they go through Hadoop ``FileSystem`` streams in the driver's JVM (``file:/``,
 ``hdfs://``, ``s3a://``, ``abfss://``, ``dbfs:/`` ...); a Spark Connect session has no JVM in this process, so there
-each file operation is a one-task Spark job whose Python worker uses pyarrow's filesystems (:func:`~spark_llm.filesystems.python_filesystem`)
-on the cluster, where the paths are. Either way no data passes through the Python driver, and every file we write
-appears by rename, never half written. Tables go through Spark SQL and DataFrame writes (appends, ``DELETE``,
+each file operation is a one-task Spark job whose Python worker uses pyarrow's filesystems
+(:func:`~spark_llm.filesystems.python_filesystem`) on the cluster, where the paths are. Either way no data passes
+through the Python driver, and every file we write appears by rename, never half written. Tables go through Spark SQL and DataFrame writes (appends, ``DELETE``,
 ``DESCRIBE HISTORY``, values as escaped literals), which work over both kinds of session.
 """
 

@@ -11,7 +11,8 @@ import pytest
 
 from spark_llm.engine_host import EngineDied
 from spark_llm.infer import generate_guarded
-from spark_llm.engine_host.isolation import FANOUT, MAX_ENGINE_REBUILDS, Journal, isolation_plan, retry_budget_warning, task_attempts_needed
+from spark_llm.engine_host.isolation import (FANOUT, MAX_ENGINE_REBUILDS, Journal, isolation_plan,
+                                             retry_budget_warning, task_attempts_needed)
 from spark_llm.session import with_task_retries
 
 

@@ -29,7 +29,8 @@ twice on one GPU. So the engine lives beside the workers:
   retries fail at once instead of loading the model again for each attempt; another GPU of the executor, and the
   next run, try again.
 - A server stops when the executor that started it is gone (while it loads too), after
-  ``engine_idle_timeout_seconds`` without requests (counted from its first), when asked, or when its engine dies. It writes what it does to the engine directory's ``events.jsonl``.
+  ``engine_idle_timeout_seconds`` without requests (counted from its first), when asked, or when its engine dies.
+  It writes what it does to the engine directory's ``events.jsonl``.
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ def connect_or_gone(slot: Slot, info: dict) -> Any:
 
 
 @contextlib.contextmanager
-def engine_for(spec: EngineSpec, process: ProcessSettings, place: TaskPlace, run_id: str = "") -> Iterator[EngineClient]:
+def engine_for(spec: EngineSpec, process: ProcessSettings, place: TaskPlace,
+               run_id: str = "") -> Iterator[EngineClient]:
     """The engine of this task's slot (see :class:`TaskPlace`) for ``spec``: the running one, the one already
     starting (:func:`prestart`, or another feeder's start), or one started now (stopping whatever else holds the
     slot's devices first); a feed of the slot is held until the block ends. An engine that could not start for these

@@ -61,7 +61,8 @@ _checked: set[str] = set()
 
 
 def engine_dir() -> Path:
-    """This host's engine directory, made (mode 0700) if missing; refused when it is a symbolic link or another user's."""
+    """This host's engine directory, made (mode 0700) if missing; refused when it is a symbolic link or another
+    user's."""
     path = Path(os.environ.get(ENGINE_DIR_ENV) or Path(tempfile.gettempdir()) / f"spark_llm-engines-{os.getuid()}")
     if str(path) not in _checked:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)

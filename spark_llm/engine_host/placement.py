@@ -73,8 +73,8 @@ def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) ->
             "spark.dynamicAllocation.enabled is true: Spark gives a stage its own GPU share (the task resource profile "
             "spark_llm puts on the inference stage) only with dynamic allocation off. Either set "
             "spark.dynamicAllocation.enabled=false, or keep it on and set spark.task.resource.gpu.amount="
-            f"{tensor_parallel_size if tensor_parallel_size > 1 else '1/N (0.5 for two tasks per engine)'} so that every "
-            "stage asks for GPUs")
+            f"{tensor_parallel_size if tensor_parallel_size > 1 else '1/N (0.5 for two tasks per engine)'} so that "
+            "every stage asks for GPUs")
     cores, cpus = executor_cores(spark_conf), int(_amount(spark_conf, "spark.task.cpus") or 1)
     per_executor = int(executor // tensor_parallel_size) if executor else 0
     if per_executor and cores is not None and cores // cpus < per_executor:

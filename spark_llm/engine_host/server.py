@@ -1,23 +1,24 @@
 """The engine process of one slot: one vLLM engine, fed by every task that holds a feed of the slot, at once.
 
 ``python -m spark_llm.engine_host.server`` is started by :mod:`~spark_llm.engine_host.client` (the tasks' side:
-slots, feeds, start and stop); what crosses the socket is :mod:`~spark_llm.engine_host.protocol`. It builds the engine, listens on the slot's Unix socket and reads each connection (a task)
-in a thread of its own. One **engine loop** thread owns the engine: it keeps a backlog of requests in vLLM
-(:data:`BACKLOG_PER_SEQ` x ``max_num_seqs``, enough to refill every sequence that finishes), topping it up before
-each step from the **oldest** stream that has requests left, steps the engine, and sends every finished request
-back to the task it came from (pickled between steps; a sender thread per stream only writes the bytes). So a
-partition runs mostly on its own, and while it drains (its longest answers decoding at an ever smaller batch), or
+slots, feeds, start and stop); what crosses the socket is :mod:`~spark_llm.engine_host.protocol`. It builds the
+engine, listens on the slot's Unix socket and reads each connection (a task) in a thread of its own. One **engine
+loop** thread owns the engine: it keeps a backlog of requests in vLLM (:data:`BACKLOG_PER_SEQ` x ``max_num_seqs``,
+enough to refill every sequence that finishes), topping it up before each step from the **most urgent, then oldest**
+stream that has requests left (a stream's priority is its batch's), steps the engine, and sends every finished
+request back to the task it came from (pickled between steps; a sender thread per stream only writes the bytes). So
+a partition runs mostly on its own, and while it drains (its longest answers decoding at an ever smaller batch), or
 while its task starts, reads its rows or writes its results, the next task's requests fill the batch: the engine
 does not wait for tasks, sockets or waves. (Fed as they arrive, two tasks' requests would interleave in vLLM's
 first-come queue: both partitions would progress at one rate and end together, and the engine would wait for the
 next two tasks.)
 
 A request the engine refuses when it is added is that request's failure. A step that raises (not fatally) sends
-every request in flight through the isolating path (:func:`~spark_llm.engine_host.isolation.generate_isolating`), whose bisection
-finds the request at fault. A dead engine (``EngineDeadError``) answers every stream ``dead`` and the process ends:
-its tasks rebuild it and set the request that killed it aside (:mod:`~spark_llm.engine_host.isolation`, which runs a partition
-with deaths on record alone on the engine). Embedding engines (vLLM's pooling runner) take whole calls, one at a
-time.
+every request in flight through the isolating path (:func:`~spark_llm.engine_host.isolation.generate_isolating`),
+whose bisection finds the request at fault. A dead engine (``EngineDeadError``) answers every stream ``dead`` and
+the process ends: its tasks rebuild it and set the request that killed it aside
+(:mod:`~spark_llm.engine_host.isolation`, which runs a partition with deaths on record alone on the engine).
+Embedding engines (vLLM's pooling runner) take whole calls, one at a time.
 """
 
 from __future__ import annotations
@@ -403,8 +404,8 @@ class EngineServer:
 
     def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list:
         """Results of ``requests`` from one blocking engine call; a request the engine rejects is found by bisection
-        (:func:`~spark_llm.engine_host.isolation.generate_isolating`) and becomes its failure. For pooling engines and for the
-        requests in flight when a step raised."""
+        (:func:`~spark_llm.engine_host.isolation.generate_isolating`) and becomes its failure. For pooling engines and
+        for the requests in flight when a step raised."""
         from ..endpoints.engine_side import sampling_params
 
         results: list = [None] * len(requests)
@@ -567,8 +568,8 @@ RECORD_WAIT_SECONDS = 30.0
 
 def import_engine(modules: Sequence[str] = ()) -> None:
     """What building the engine needs imported (:data:`VLLM_ENTRY_MODULE`, then ``modules``), kept out of the
-    cyclic collector's reach (:func:`imports_kept`); vLLM missing is left to :func:`~spark_llm.engine_host.spec.build_engine`
-    to report."""
+    cyclic collector's reach (:func:`imports_kept`); vLLM missing is left to
+    :func:`~spark_llm.engine_host.spec.build_engine` to report."""
     with imports_kept():
         from ..endpoints import engine_side  # noqa: F401
 

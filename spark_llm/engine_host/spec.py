@@ -148,8 +148,8 @@ def check_vllm(llm_class: Any) -> None:
         except Exception:  # a vLLM installed without metadata
             found = "unknown"
         raise EngineStartError(
-            f"vLLM {found} on this executor is older than spark_llm needs: install vllm>={VLLM_MIN_VERSION} (the engine "
-            f"adds requests with LLM.enqueue, new in vLLM {VLLM_MIN_VERSION})")
+            f"vLLM {found} on this executor is older than spark_llm needs: install vllm>={VLLM_MIN_VERSION} (the "
+            f"engine adds requests with LLM.enqueue, new in vLLM {VLLM_MIN_VERSION})")
 
 
 #: Shared memory a tensor-parallel engine needs at least: its workers exchange tensors through ``/dev/shm`` (NCCL,

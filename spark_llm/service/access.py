@@ -12,7 +12,7 @@ from .files import FileStorage
 from .protocol import APIError
 from .scheduler import Scheduler
 from .settings import NO_KEY_OWNER, ServiceSettings
-from .store import Store
+from .store import BatchRecord, FileRecord, Store
 
 
 @dataclass(frozen=True)
@@ -44,3 +44,19 @@ def owner(request: Request) -> str:
 
 def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
+
+
+def own_file(request: Request, id: str, who: str) -> FileRecord:
+    """The caller's file ``id``: 404 when it does not exist or is another key's (the two look the same)."""
+    record = service_of(request).store.file(id, owner=who)
+    if record is None:
+        raise APIError.not_found("file", id)
+    return record
+
+
+def own_batch(request: Request, id: str, who: str) -> BatchRecord:
+    """The caller's batch ``id``: 404 when it does not exist or is another key's."""
+    record = service_of(request).store.batch(id, owner=who)
+    if record is None:
+        raise APIError.not_found("batch", id)
+    return record

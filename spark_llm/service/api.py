@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from ..config import PRIORITIES
 from ..endpoints import ENDPOINTS
 from . import monitor, ui, uploads
-from .access import Service, new_id, owner, service_of
+from .access import Service, new_id, own_batch, own_file, owner, service_of
 from .audit import audit
 from .files import TextCheck, check_filename, receive_upload
 from .lifecycle import CANCELLABLE, Status
@@ -126,21 +126,14 @@ def list_files(request: Request, who: str = Depends(owner), purpose: Optional[st
     return Page.of([FileObject.of(r) for r in records], more)
 
 
-def _own_file(request: Request, id: str, who: str) -> FileRecord:
-    record = service_of(request).store.file(id, owner=who)
-    if record is None:
-        raise APIError.not_found("file", id)
-    return record
-
-
 @files_router.get("/files/{file_id}")
 def retrieve_file(request: Request, file_id: str, who: str = Depends(owner)) -> FileObject:
-    return FileObject.of(_own_file(request, file_id, who))
+    return FileObject.of(own_file(request, file_id, who))
 
 
 @files_router.get("/files/{file_id}/content")
 def file_content(request: Request, file_id: str, who: str = Depends(owner)) -> StreamingResponse:
-    record = _own_file(request, file_id, who)
+    record = own_file(request, file_id, who)
     chunks: Iterator[bytes] = service_of(request).files.chunks(record.location)
     return StreamingResponse(chunks, media_type="application/octet-stream",
                              headers={"Content-Length": str(record.bytes)})
@@ -149,7 +142,7 @@ def file_content(request: Request, file_id: str, who: str = Depends(owner)) -> S
 @files_router.delete("/files/{file_id}")
 def delete_file(request: Request, file_id: str, who: str = Depends(owner)) -> FileDeleted:
     service = service_of(request)
-    record = _own_file(request, file_id, who)
+    record = own_file(request, file_id, who)
     readers = service.store.batches_reading(file_id)
     if readers:
         raise APIError.invalid(f"The file is the input of batch {readers[0].id}, which has not finished; delete it "
@@ -218,16 +211,9 @@ def create_batch(request: Request, body: BatchCreate, who: str = Depends(owner))
     return batch_object(record)
 
 
-def _own_batch(request: Request, id: str, who: str) -> BatchRecord:
-    record = service_of(request).store.batch(id, owner=who)
-    if record is None:
-        raise APIError.not_found("batch", id)
-    return record
-
-
 @batches_router.get("/batches/{batch_id}")
 def retrieve_batch(request: Request, batch_id: str, who: str = Depends(owner)) -> Batch:
-    return batch_object(_own_batch(request, batch_id, who))
+    return batch_object(own_batch(request, batch_id, who))
 
 
 @batches_router.get("/batches")
@@ -240,7 +226,7 @@ def list_batches(request: Request, who: str = Depends(owner), limit: int = Query
 @batches_router.post("/batches/{batch_id}/cancel")
 def cancel_batch(request: Request, batch_id: str, who: str = Depends(owner)) -> Batch:
     service = service_of(request)
-    batch = _own_batch(request, batch_id, who)
+    batch = own_batch(request, batch_id, who)
     if batch.status is Status.CANCELLING:
         return batch_object(batch)
     moved = service.store.move(batch_id, Status.CANCELLING) if batch.status in CANCELLABLE else None

@@ -8,29 +8,21 @@ from __future__ import annotations
 
 import collections
 import json
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
-from .access import owner, service_of
+from .access import own_batch, owner, service_of
 from .protocol import APIError
 
 router = APIRouter()
-
-
-def _own_batch(request: Request, batch_id: str, who: str) -> Any:
-    record = service_of(request).store.batch(batch_id, owner=who)
-    if record is None:
-        raise APIError.not_found("batch", batch_id)
-    return record
 
 
 @router.get("/ui/api/batches/{batch_id}/errors")
 def errors_by_code(request: Request, batch_id: str, who: str = Depends(owner)) -> dict:
     """The batch's error lines counted by code (read from its error file as it streams: never all at once)."""
     service = service_of(request)
-    batch = _own_batch(request, batch_id, who)
+    batch = own_batch(request, batch_id, who)
     counts: collections.Counter = collections.Counter()
     record = service.store.file(batch.error_file_id) if batch.error_file_id else None
     if record is not None:
@@ -55,7 +47,7 @@ def _code(line: bytes) -> str:
 def report(request: Request, batch_id: str, who: str = Depends(owner)) -> Response:
     """The batch's ``report.html`` (its run writes it beside the output files)."""
     service = service_of(request)
-    _own_batch(request, batch_id, who)
+    own_batch(request, batch_id, who)
     location = service.files.location("batches", batch_id, "report.html")
     if service.files.size(location) is None:
         raise APIError.not_found("report of batch", batch_id)
