@@ -9,7 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from batch_lines import BIASED_TOKEN, PERSON, SENTIMENT, SHAPES_FILE, TIME, WEATHER, schema_format
+from batch_lines import (BIASED_TOKEN, CHAT_TOOLS, PERSON, RESPONSES_TOOLS, SENTIMENT, SHAPES_FILE, TIME, WEATHER,
+                         schema_format)
 
 pytestmark = pytest.mark.engine
 
@@ -202,3 +203,62 @@ def test_reasoning_is_split_from_the_answer_and_counted(thinking_engine, tiny_mo
     parsed = Response.model_validate(answer.body)
     assert parsed.output[0].type == "reasoning" and parsed.output[0].content[0].text == out.outputs[0].text
     assert parsed.usage.output_tokens_details.reasoning_tokens == 5 and parsed.status == "incomplete"
+
+
+# ---- a forced tool call that max_tokens cuts: an engine without the reasoning parser ------------------------------
+
+@pytest.fixture(scope="module")
+def plain_engine(tiny_model):
+    from conftest import engine_settings
+    from spark_llm.config import BatchConfig
+    from spark_llm.engine_host import EngineSpec, ProcessSettings, TaskPlace, engine_for
+    from spark_llm.engine_host.client import stop_engines_on
+
+    cfg = BatchConfig(**engine_settings(tiny_model)).resolved(1024)
+    with engine_for(EngineSpec.from_config(cfg), ProcessSettings(0, "WARNING"), TaskPlace()) as engine:
+        yield engine
+    stop_engines_on(engine.slot)
+
+
+def test_a_forced_tool_call_cut_by_max_tokens_is_still_a_tool_call(plain_engine, tiny_model):
+    """tool_choice required or named, chat and Responses, max_tokens ending inside the call's arguments: the call
+    comes back in tool_calls (function_call items), its arguments as generated, finish reason length."""
+    from openai.types.chat import ChatCompletion
+    from openai.types.responses import Response
+    from spark_llm.endpoints import chat, responses
+    from spark_llm.tokens import get_tokenizer
+
+    tok = get_tokenizer(tiny_model)
+
+    def cut_inside_city(whole) -> int:
+        """max_tokens that ends a token or so into the city's name of ``whole``'s answer."""
+        text, ids = whole.outputs[0].text, whole.outputs[0].token_ids
+        inside = text.index('"city"') + len('"city": "') + 1
+        return next(k for k in range(1, len(ids)) if len(tok.decode(ids[:k])) >= inside)
+
+    def ask_chat(choice, n):
+        return ask(plain_engine, tok, {"messages": [{"role": "user", "content": "Weather in Tokyo?"}],
+                                       "temperature": 0, "max_tokens": n, "tools": [CHAT_TOOLS[0]],
+                                       "tool_choice": choice, "parallel_tool_calls": False}, chat)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        whole, answer = ask_chat(choice, 200)
+        assert answer.finish_reason == "tool_calls" and whole.outputs[0].finish_reason == "stop", answer.body
+        cut, answer = ask_chat(choice, cut_inside_city(whole))
+        text = whole.outputs[0].text
+        assert cut.outputs[0].finish_reason == "length" and text.startswith(cut.outputs[0].text)
+        message = ChatCompletion.model_validate(answer.body).choices[0]
+        assert message.finish_reason == "length" and message.message.content is None
+        [call] = message.message.tool_calls
+        assert call.function.name == "get_weather" and '"city"' in call.function.arguments
+        assert call.function.arguments in text and not call.function.arguments.endswith("}")
+
+    def ask_responses(n):
+        return ask(plain_engine, tok, {"input": "Weather in Tokyo?", "temperature": 0, "max_output_tokens": n,
+                                       "tools": RESPONSES_TOOLS, "tool_choice": "required",
+                                       "parallel_tool_calls": False}, responses)
+    whole, _ = ask_responses(200)
+    _, answer = ask_responses(cut_inside_city(whole))
+    body = Response.model_validate(answer.body)
+    assert body.status == "incomplete" and body.incomplete_details.reason == "max_output_tokens"
+    [item] = [o for o in body.output if o.type == "function_call"]
+    assert item.name == "get_weather" and item.status == "incomplete" and '"city"' in item.arguments

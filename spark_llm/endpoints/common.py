@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -371,23 +372,58 @@ def tool_choice_options(choice: Any, named: Optional[str], tools: list[dict], pa
     return {"tool_choice": "required"}, {"json": schema}
 
 
-def tool_calls_from_output(content: Optional[str], options: dict) -> Optional[list[dict]]:
-    """``[{"name", "arguments"}]`` read from a constrained answer (``required``: a JSON array of
-    ``{name, parameters}``; ``named``: the arguments object); None when the answer is not complete JSON (cut by
-    max_tokens) or the choice was not constrained."""
+def tool_calls_from_output(content: Optional[str], options: dict, cut: bool = False) -> Optional[list[dict]]:
+    """``[{"name", "arguments", "complete"}]`` read from a constrained answer (``required``: a JSON array of
+    ``{name, parameters}``; ``named``: the arguments object); None when the choice was not constrained, or its answer
+    is not the JSON it was held to. An answer ``cut`` by max_tokens is still a tool call, as OpenAI answers it: the
+    complete calls parsed, the cut one with its arguments as generated (``complete`` False)."""
     mode = options.get("tool_choice")
     if mode not in ("named", "required") or content is None:
         return None
     try:
         value = json.loads(content)
     except ValueError:
-        return None
+        if not cut:
+            return None
+        if mode == "named":
+            return [{"name": options["tool_name"], "arguments": content, "complete": False}]
+        return _cut_calls(content)
     if mode == "named":  # the answer is the arguments, exactly as generated
-        return [{"name": options["tool_name"], "arguments": content}]
+        return [{"name": options["tool_name"], "arguments": content, "complete": True}]
     if not isinstance(value, list):
         return None
-    return [{"name": c.get("name"), "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}
-            for c in value if isinstance(c, dict)]
+    return [{"name": c.get("name"), "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False),
+             "complete": True} for c in value if isinstance(c, dict)]
+
+
+_CUT_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CUT_PARAMETERS = re.compile(r'"parameters"\s*:\s*')
+
+
+def _cut_calls(text: str) -> Optional[list[dict]]:
+    """The calls of a ``required`` answer (a JSON array of ``{name, parameters}``) cut short: each complete element
+    parsed, then the cut one, when its name was generated, with the parameters text as far as it went."""
+    decoder, calls = json.JSONDecoder(), []
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return None
+    at += 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            element, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        if isinstance(element, dict):
+            calls.append({"name": element.get("name"), "complete": True,
+                          "arguments": json.dumps(element.get("parameters", {}), ensure_ascii=False)})
+    rest = text[at:]
+    name, parameters = _CUT_NAME.search(rest), _CUT_PARAMETERS.search(rest)
+    if name:
+        arguments = rest[parameters.end():] if parameters else ""
+        calls.append({"name": json.loads(f'"{name.group(1)}"'), "arguments": arguments, "complete": False})
+    return calls or None
 
 
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -466,7 +502,7 @@ def answer_parts(choice: Any, options: dict, reply: Reply, index: int) -> tuple[
     content = choice.content if choice.parsed else choice.text
     calls = choice.tool_calls
     if calls is None:
-        calls = tool_calls_from_output(content, options)
+        calls = tool_calls_from_output(content, options, cut=finish_reason(choice.finish_reason) == "length")
         if calls is not None:
             content = None
     calls = [{"id": call_id(reply.request_id, index, k), **c} for k, c in enumerate(calls or [])]

@@ -95,7 +95,8 @@ def respond(outputs: list, reply: Reply) -> Answer:
                       "content": [{"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}]})
     for k, call in enumerate(calls):
         items.append({"type": "function_call", "id": f"fc_{suffix}_{k}", "call_id": call["id"],
-                      "name": call["name"], "arguments": call["arguments"], "status": "completed"})
+                      "name": call["name"], "arguments": call["arguments"],
+                      "status": "completed" if call.get("complete", True) else "incomplete"})
     input_tokens, output_tokens = len(out.prompt_token_ids), len(c.token_ids)
     body = {
         "id": f"resp_{suffix}", "object": "response", "created_at": reply.created, "model": reply.model,
