@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -12,7 +11,7 @@ import threading
 from typing import Any, Optional, Sequence
 
 from .config import BatchConfig, ConfigError, new_batch_id, spark_conf_from_yaml
-from .flags import add_run_arguments
+from .flags import add_run_arguments, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_from_args(args: argparse.Namespace) -> int:
     """``spark-llm run`` and ``spark-llm plan``: exit 0 done, 2 bad settings, 3 the engine could not start or the
     batch failed at run time (a Spark job failed for good)."""
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     overrides = {field: getattr(args, field) for field in BatchConfig.model_fields}
     planning = getattr(args, "command", "run") == "plan"
     try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 import types
 from typing import Any, Literal, Sequence, Union, get_args, get_origin
 
@@ -75,6 +77,14 @@ def flag(field: str) -> str:
     """The field's flag: ``--field-name``, or the one its metadata names."""
     extra = BatchConfig.model_fields[field].json_schema_extra or {}
     return extra.get("flag") or "--" + field.replace("_", "-")  # type: ignore[union-attr]
+
+
+def configure_logging(level: str) -> None:
+    """The command's console: spark_llm's own lines at ``level`` (--log-level), other libraries' (py4j, Spark's
+    Python side) at WARNING and above only. For the command's process alone (a notebook configures its own)."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("spark_llm").setLevel(level.upper())
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:

@@ -54,7 +54,7 @@ def run_batch(spark: SparkSession, config: BatchConfig, listener: Optional[RunLi
     run = RunContext.start(spark, config, listener)
     with run.job_group(), run.pool(), EngineWarmup.started(run) as warmup:  # engines load while it is prepared
         run = write.prepare_destination(run)
-        log.info("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))
+        log.debug("batch %s: settings %s", run.batch_id, json.dumps(run.cfg.redacted(), default=str))
         try:
             for model in run.models:
                 check_adapters(model.lora_modules, model.max_lora_rank)

@@ -132,7 +132,7 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
     storage.write_text_atomic(run.spark, run.paths.report_file, report)
     storage.write_text_atomic(run.spark, run.paths.batch_file, batch.to_json())  # last: the batch is done
     result = BatchResult(batch=batch, paths=run.paths, skipped=outcome.skipped)
-    log.info("%s", result.summary())
+    log.debug("%s", result.summary())  # the command prints it; a notebook has result.summary()
     return result
 
 

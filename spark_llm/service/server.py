@@ -13,7 +13,7 @@ import sys
 from typing import Any, AsyncIterator, Optional
 
 from ..config import BatchConfig, ConfigError, spark_conf_from_yaml
-from ..flags import add_run_arguments, argument_kwargs
+from ..flags import add_run_arguments, argument_kwargs, configure_logging
 from .settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """Exit 0 after a clean shutdown (Ctrl-C, SIGTERM), 2 for bad settings."""
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         base = BatchConfig.load(args.config, **{f: getattr(args, f, None) for f in BatchConfig.model_fields})
         base.require("model")
