@@ -350,6 +350,10 @@ def conform(df: DataFrame, columns: dict) -> DataFrame:
                       for name, (dtype, comment) in columns.items()])
 
 
+#: What Delta says when two writers create one table at once (the second commit of version 0).
+CONCURRENT_CREATE = ("DELTA_PROTOCOL_CHANGED", "DELTA_METADATA_CHANGED", "ProtocolChangedException")
+
+
 def ensure_table(spark: SparkSession, table: str, columns: dict, stats_columns: Sequence[str] = ()) -> None:
     """Create the (empty) Delta table, partitioned by batch_id, with column comments and file statistics on
     ``stats_columns`` only (Delta's default when empty), if it does not exist: one DDL statement, a Delta commit
@@ -363,8 +367,14 @@ def ensure_table(spark: SparkSession, table: str, columns: dict, stats_columns: 
         return
     properties = (f" TBLPROPERTIES ('delta.dataSkippingStatsColumns' = {sql_string(','.join(stats_columns))})"
                   if stats_columns else "")
-    spark.sql(f"CREATE TABLE IF NOT EXISTS {sql_name(table)} ({column_ddl(columns)}) USING delta "
-              f"PARTITIONED BY (batch_id){properties}")
+    try:
+        spark.sql(f"CREATE TABLE IF NOT EXISTS {sql_name(table)} ({column_ddl(columns)}) USING delta "
+                  f"PARTITIONED BY (batch_id){properties}")
+    except Exception as exc:
+        # another writer made it at the same moment (two servers of the batch service starting their first batches
+        # on shared tables): Delta refuses the second creation of version 0; the table is there, as wanted
+        if not any(code in str(exc) for code in CONCURRENT_CREATE) or not table_exists(spark, table):
+            raise
 
 
 def column_ddl(columns: dict) -> str:
