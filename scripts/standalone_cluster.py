@@ -60,7 +60,8 @@ class Cluster:
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def start(self, workers: int, cores: int, gpus: int, script: Path) -> list[Path]:
-        env = {**os.environ, "SPARK_HOME": self.spark_home, "SPARK_NO_DAEMONIZE": "1"}
+        # SPARK_LOCAL_IP: the daemons' web UIs bind it (else every interface)
+        env = {**os.environ, "SPARK_HOME": self.spark_home, "SPARK_NO_DAEMONIZE": "1", "SPARK_LOCAL_IP": "127.0.0.1"}
         self._daemon("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
                                 str(self.port), "--webui-port", str(free_port())], env)
         wait_for(lambda: "I have been elected leader" in (self.out / "master.log").read_text(errors="replace"), 120,
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
                "--output-dir", str(out / "results"), "--overwrite", "--batch-id", "standalone",
                "--max-model-len", "512", "--max-num-seqs", "32", "--dtype", "bfloat16", "--enforce-eager",
                "--kv-cache-memory-bytes", str(64 << 20), "--target-tokens-per-partition", str(target)]
-        env = {**os.environ, "SPARK_HOME": spark_home, "PYSPARK_PYTHON": sys.executable,
+        env = {**os.environ, "SPARK_HOME": spark_home, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
                "PYSPARK_DRIVER_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
         env.pop("SPARK_LLM_ENGINE_DIR", None)  # the workers' own
         with open(out / "driver.log", "wb") as log:

@@ -101,10 +101,11 @@ class ServiceSettings(BaseModel):
     def database(self) -> str:
         if self.database_url:  # postgresql://... means psycopg 3, the driver the serve extra installs
             return re.sub(r"^postgres(ql)?://", "postgresql+psycopg://", self.database_url)
-        if "://" in self.storage and not self.storage.startswith("file:"):
+        local = self.local_storage()
+        if local is None:
             raise ConfigError("a storage root that is not a local directory needs --database-url (the SQLite "
                               "default lives under the storage root)")
-        return f"sqlite:///{Path(self.storage.removeprefix('file:')).absolute() / 'service.db'}"
+        return f"sqlite:///{local / 'service.db'}"
 
     def audit_path(self) -> Optional[str]:
         """Where the audit log goes, or None."""
@@ -112,9 +113,14 @@ class ServiceSettings(BaseModel):
             return None
         if self.audit_log:
             return self.audit_log
+        local = self.local_storage()
+        return str(local / "audit.jsonl") if local is not None else None
+
+    def local_storage(self) -> Optional[Path]:
+        """The storage root as a local directory, or None when it is a URI of another filesystem."""
         if "://" in self.storage and not self.storage.startswith("file:"):
             return None
-        return str(Path(self.storage.removeprefix("file:")).absolute() / "audit.jsonl")
+        return Path(self.storage.removeprefix("file:")).absolute()
 
     def server(self) -> str:
         """This server's name in the leases it holds."""
