@@ -163,8 +163,9 @@ def main(argv=None) -> int:
             big_batch = client.batches.create(input_file_id=client.files.create(file=big.open("rb"),
                                                                                 purpose="batch").id,
                                               endpoint="/v1/chat/completions", completion_window="24h")
-            while client.batches.retrieve(big_batch.id).status == "validating":  # its engines are working
+            while client.batches.retrieve(big_batch.id).status == "validating":
                 time.sleep(0.2)
+            time.sleep(2.0)  # in progress: its first waves are submitted and hold the task slots
             t0 = time.monotonic()
             urgent = client.batches.create(input_file_id=small_id, endpoint="/v1/chat/completions",
                                            completion_window="24h", metadata={"priority": "high"})

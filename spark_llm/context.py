@@ -70,6 +70,17 @@ class RunListener:
     def finalizing(self) -> None:
         """Every row is committed; the OpenAI files, batch.json and the report are written next."""
 
+    def before_wave(self) -> int:
+        """A wave's Spark job is submitted next. May block while the run yields its task slots to a more urgent
+        batch (the batch service: see :func:`cancel_waves`); returns how many times the run has yielded, for
+        :meth:`yielded`."""
+        return 0
+
+    def yielded(self, since: int) -> bool:
+        """Whether the run yielded its slots after :meth:`before_wave` returned ``since``: the waves submitted
+        then were cancelled (:func:`cancel_waves`) and run again, the run goes on."""
+        return False
+
 
 @dataclass(frozen=True)
 class RunContext:
@@ -176,6 +187,23 @@ def cancel_batch_jobs(spark: SparkSession, batch_id: str) -> None:
         spark.interruptTag(batch_tag(batch_id))
     else:
         spark.sparkContext.cancelJobGroup(batch_id)
+
+
+def waves_tag(batch_id: str) -> str:
+    """The Spark job tag of a batch's inference waves, apart from its other jobs (see :func:`cancel_waves`)."""
+    return f"spark_llm-{batch_id}-waves"
+
+
+def cancel_waves(spark: SparkSession, batch_id: str) -> None:
+    """Cancel the inference waves a batch's run has submitted and not finished, and nothing else of it (its
+    commits go on), so that their task slots go to a more urgent batch at once: Spark never preempts a running
+    task, and one inference task holds its slot for a whole partition (minutes on a GPU). The run submits the
+    cancelled waves again when it may (:meth:`RunListener.yielded`); nothing is committed twice, and the work of
+    the cancelled tasks is lost. From any thread."""
+    if is_connect(spark):
+        spark.interruptTag(waves_tag(batch_id))
+    else:
+        spark.sparkContext.cancelJobsWithTag(waves_tag(batch_id))
 
 
 def _previous_created_at(spark: SparkSession, batch_file: str) -> Optional[int]:

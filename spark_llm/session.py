@@ -40,6 +40,9 @@ LOCAL_DEFAULTS = {
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "2",
     "spark.python.worker.reuse": "true",
+    # A cancelled task's Python worker is ended this long after Spark notices the cancel (within 2 s), instead of
+    # 2 s: an inference task waits on its engine and never ends by itself, and its slot is wanted (cancel_waves).
+    "spark.python.task.killTimeout": "100ms",
     "spark.python.daemon.module": "spark_llm.worker_daemon",  # pyspark's daemon, its imports made once
     "spark.databricks.delta.snapshotPartitions": "2",
     "spark.sql.sources.partitionOverwriteMode": "dynamic",

@@ -29,7 +29,7 @@ from pyspark.sql import functions as F
 
 from . import faults, storage, write
 from .background import SparkJobInBackground
-from .context import RunContext
+from .context import RunContext, waves_tag
 from .config import PRIORITIES, BatchConfig, config_view
 from .engine_host import EngineSpec, Executor, ProcessSettings, prestart_slots
 from .engine_host.placement import config_layout, has_gpus, inference_profile
@@ -313,19 +313,39 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         while len(commits) > COMMITS_IN_FLIGHT or (commits and not commits[0].thread.is_alive()):
             committed_by(commits.popleft())
 
+    def submit(wave: Wave) -> _WaveJob:
+        return _WaveJob(run, valid, plan, wave, replace(ictx, wave=wave.number), run.listener.before_wave())
+
+    def finished() -> _WaveJob:
+        """The oldest wave in flight once it has ended, popped. When the run yielded its slots meanwhile (the
+        waves were cancelled), every wave in flight that did not end runs again, in order, when the run may."""
+        while True:
+            job = in_flight[0]
+            try:
+                job.wait()
+                return in_flight.popleft()
+            except Exception:
+                if not run.listener.yielded(job.epoch):
+                    raise
+            log.info("batch %s: wave %s yielded its task slots to a more urgent batch; it runs again",
+                     run.batch_id, job.wave.label)
+            for i, other in enumerate(in_flight):
+                other.thread.join()
+                if other.error is not None:  # cancelled (a real failure fails again)
+                    in_flight[i] = submit(other.wave)
+
     try:
         with ProgressReporter(line, run.cfg.progress_interval_seconds):
             for wave in waves:
                 done = None
                 if len(in_flight) == WAVES_IN_FLIGHT:
-                    done = in_flight.popleft()
-                    done.wait()  # its slots are free: the next wave takes them before this one is committed
-                in_flight.append(_WaveJob(run, valid, plan, wave, replace(ictx, wave=wave.number)))
+                    done = finished()  # its slots are free: the next wave takes them before this one is committed
+                in_flight.append(submit(wave))
                 current["wave"] = wave.label
                 if done is not None:
                     commit(done)
             while in_flight:
-                commit(in_flight.popleft())
+                commit(finished())
             while commits:
                 committed_by(commits.popleft())
         storage.delete(run.spark, run.paths.staging)
@@ -340,12 +360,16 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
 class _WaveJob(_EngineJob):
     """One wave's inference, a Spark job of its own, its results staged as Parquet."""
 
-    def __init__(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, wave: Wave, ictx: InferContext):
+    def __init__(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, wave: Wave, ictx: InferContext,
+                 epoch: int = 0):
         self.wave, self.staging = wave, f"{run.paths.staging}/wave-{wave.number}"
+        self.epoch = epoch  #: the run's yield count when it was submitted (RunListener.yielded)
         super().__init__(run.spark, f"spark_llm-wave-{wave.number}", lambda: self._infer(run, valid, plan, ictx))
 
     def _infer(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, ictx: InferContext) -> None:
         run.describe(f"infer wave {self.wave.label}")
+        tag = waves_tag(run.batch_id)  # this thread's jobs only, so that cancel_waves leaves the commits alone
+        run.spark.addTag(tag) if is_connect(run.spark) else run.spark.sparkContext.addJobTag(tag)
         requests = materialize(valid, plan, self.wave.first, self.wave.count).select(*INFER_INPUT)
         if ictx.place.local_engines:  # a local session: its engines hold every task slot
             with scheduler_pool(run.spark, FIRST_POOL):

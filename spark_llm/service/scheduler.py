@@ -20,14 +20,14 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import sqlalchemy.exc
 
 from ..batch import TOKEN_LIMIT_EXCEEDED, BatchErrors, BatchResult, failure_reason
 from ..config import PRIORITIES, BatchConfig, ConfigError
-from ..context import RunListener, cancel_batch_jobs
+from ..context import RunListener, cancel_batch_jobs, cancel_waves
 from ..errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
 from .audit import audit
 from .files import FileStorage
@@ -47,6 +47,11 @@ EXPIRY_SECONDS = 30.0
 UNANSWERED_CODE = {Status.CANCELLED: ErrorCode.BATCH_CANCELLED.value, Status.EXPIRED: ErrorCode.BATCH_EXPIRED.value}
 
 
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event
+
+
 @dataclass
 class _Running:
     """A batch's run in a thread of its own; ``stop`` is why it is being stopped (None: it is not)."""
@@ -58,6 +63,11 @@ class _Running:
     lost: bool = False  #: the lease went to another server: the run stops, and leaves the batch to it
     done: bool = False  #: the run has ended (its lease let go): no more renewals
     priority: Optional[str] = None
+    #: how many times the run yielded its task slots to a high-priority batch (RunListener.yielded)
+    yields: int = 0
+    #: set while the run may submit inference waves; cleared while it yields
+    may_infer: threading.Event = field(default_factory=lambda: _set(threading.Event()))
+    committed_since_yield: bool = True  #: a wave was committed since the last yield (or there was none)
 
     def request_stop(self, why: Status) -> None:
         if self.stop is None and not self.ending:
@@ -90,11 +100,21 @@ class _Progress(RunListener):
             self.store.update(self.running.batch_id, **counts)
 
     def committed(self, responses: int, errors: int) -> None:
+        self.running.committed_since_yield = True
         self.store.add_counts(self.running.batch_id, completed=responses, failed=errors)
         self._check()
 
     def finalizing(self) -> None:
         self.store.move(self.running.batch_id, Status.FINALIZING)
+
+    def before_wave(self) -> int:
+        while not self.running.may_infer.wait(TICK_SECONDS):
+            self._check()  # a cancel while it yields
+        self._check()
+        return self.running.yields
+
+    def yielded(self, since: int) -> bool:
+        return self.running.yields != since
 
 
 class _LeaseWatch(RunListener):
@@ -129,6 +149,8 @@ class Scheduler:
         self.ready = threading.Event()  #: the Spark session is up
         self.startup_error: Optional[BaseException] = None
         self._running: dict[str, _Running] = {}
+        #: a high-priority batch's id -> the runs paused for it and the timer that lets them go on
+        self._yielding: dict[str, tuple[list[_Running], threading.Timer]] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="spark_llm-scheduler", daemon=True)
@@ -208,6 +230,8 @@ class Scheduler:
                 if batch.runs == 0 and self.refused_for_tokens(batch):
                     continue
                 if self.store.claim(batch.id, self.holder, lease):
+                    if batch.priority == "high":
+                        self._yield_to(batch)
                     self._launch(self.store.batch(batch.id) or batch, self._run)
 
     def expire_files(self, now: Optional[float] = None) -> list[str]:
@@ -259,6 +283,32 @@ class Scheduler:
         return batch.priority == "high" and len(running) == self.settings.max_running_batches and \
             not any(r.priority == "high" for r in running)
 
+    def _yield_to(self, urgent: BatchRecord) -> None:
+        """The running batches pause their inference for the high-priority ``urgent`` one (:func:`cancel_waves`):
+        with the slots to itself it takes about its time on an idle server (FAIR pools alone leave its every
+        Spark job waiting for an inference task of the others to end a partition: 32 s instead of 2.9 s for 15
+        lines beside a 20,000-line batch here). They go on when it ends, or after ``max_yield_seconds``; a run
+        yields again only after committing a wave, so a stream of urgent batches does not starve it."""
+        if not self.settings.max_yield_seconds:
+            return
+        pausing = [r for r in self._running.values()
+                   if not r.ending and r.priority != "high" and r.committed_since_yield and r.may_infer.is_set()]
+        for running in pausing:
+            log.info("batch %s: yields its task slots to the high-priority batch %s", running.batch_id, urgent.id)
+            running.yields += 1
+            running.committed_since_yield = False
+            running.may_infer.clear()
+            cancel_waves(self.spark, running.batch_id)
+        if pausing:
+            timer = threading.Timer(self.settings.max_yield_seconds, self._go_on, args=(pausing,))
+            timer.daemon = True
+            timer.start()
+            self._yielding[urgent.id] = (pausing, timer)
+
+    def _go_on(self, paused: list[_Running]) -> None:
+        for running in paused:
+            running.may_infer.set()
+
     def refused_for_tokens(self, batch: BatchRecord) -> bool:
         """Fail ``batch`` with ``token_limit_exceeded`` when it and its key's other unfinished batches hold more
         input tokens than the key's ``max_enqueued_tokens`` (estimated as bytes / 4, before the batch is read)."""
@@ -302,6 +352,10 @@ class Scheduler:
             log.exception("batch %s: the scheduler failed on it", batch.id)
         finally:
             running.done = True
+            paused, timer = self._yielding.pop(batch.id, ([], None))
+            if timer is not None:
+                timer.cancel()
+            self._go_on(paused)
             if not running.lost and not self._stopping.is_set():
                 with contextlib.suppress(Exception):
                     self.store.release(batch.id, self.holder)

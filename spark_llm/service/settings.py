@@ -56,6 +56,11 @@ class ServiceSettings(BaseModel):
     max_running_batches: int = Field(
         1, ge=1, description="Batches run at once; the others wait their turn in order of creation. Batches run "
         "at once share the engines.")
+    max_yield_seconds: float = Field(
+        600.0, ge=0, description="Longest the running batches pause for a high-priority one: when it starts, their "
+        "inference waves in flight are cancelled and submitted again when it ends or after this long, whichever "
+        "comes first (their commits go on; the cancelled tasks' work is lost). A batch that yielded runs at least "
+        "one more wave before it yields again. 0: high-priority batches only share the task slots as they free.")
     max_file_bytes: int = Field(200 * 1000 * 1000, ge=1, description="Largest batch input file accepted (OpenAI: "
                                 "200 MB).")
     completion_windows: str = Field(
