@@ -8,6 +8,7 @@ the same weights and the same tokenizer every time, so greedy decoding gives the
     python scripts/make_tiny_model.py --out /tmp/tiny-llm
     python scripts/make_tiny_model.py --kind lora --base /tmp/tiny-llm --out /tmp/tiny-lora
     python scripts/make_tiny_model.py --kind embedding --base /tmp/tiny-llm --out /tmp/tiny-embed
+    python scripts/make_tiny_model.py --kind vision --out /tmp/tiny-vlm
 
 ``--kind embedding`` makes a sentence-transformers directory of the tiny Llama (modules.json: the transformer, mean
 pooling, normalisation), which vLLM's pooling runner loads as an embedding model: unit-length vectors of 256 floats.
@@ -218,12 +219,76 @@ def build_embedding(base: Path, out: Path) -> Path:
     return out
 
 
+#: The chat template of the tiny vision-language model: the tiny Llama's, with a user turn's image parts written as
+#: one <image> token each, where vLLM's LLaVA processor puts the picture's tokens.
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% else %}{% set content = message['content'] | map(attribute='text') | join('\n') %}{% endif %}",
+    "{% else %}{% set ns = namespace(text='') %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{% set ns.text = ns.text + ('\n' if ns.text else '') + part['text'] %}"
+    "{% elif part['type'] in ('image', 'image_url') %}{% set ns.text = ns.text + '<image>' %}{% endif %}"
+    "{% endfor %}{% set content = ns.text %}{% endif %}")
+#: Side of the square picture the tiny vision tower sees, and its patches' side: (56 / 14)^2 = 16 tokens an image.
+VISION_IMAGE_SIZE, VISION_PATCH = 56, 14
+
+
+def build_vision(out: Path, *, seed: int = 0, vocab_size: int = 4096, max_len: int = 2048) -> Path:
+    """A LLaVA-shaped vision-language model: a 2-layer CLIP vision tower (56x56 pictures in 14x14 patches: 16 image
+    tokens each), a projector and the tiny Llama, random weights, with its processor (CLIP's image processor, the
+    tiny tokenizer with an <image> token) and a chat template that places image parts. The weights are saved under
+    the names vLLM's LLaVA loader reads (``vision_tower.vision_model.*``, as llava-hf's checkpoints have them)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        tok = build_tokenizer(tmp, seed, vocab_size)
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
+        tok.chat_template = VISION_CHAT_TEMPLATE
+        tok.save_pretrained(str(tmp))
+        eos = [tok.convert_tokens_to_ids("<|end_of_text|>"), tok.convert_tokens_to_ids("<|im_end|>")]
+        text = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
+                           bos_token_id=tok.bos_token_id, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+        vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=VISION_IMAGE_SIZE, patch_size=VISION_PATCH, projection_dim=64)
+        config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids(
+            "<image>"), vision_feature_select_strategy="default", vision_feature_layer=-1)
+        config.dtype = "bfloat16"
+        torch.manual_seed(seed)
+        LlavaForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
+        weights = load_file(str(tmp / "model.safetensors"))
+        save_file({("vision_tower.vision_model." + k[len("vision_tower."):]) if k.startswith("vision_tower.") else k: v
+                   for k, v in weights.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        side = {"height": VISION_IMAGE_SIZE, "width": VISION_IMAGE_SIZE}
+        images = CLIPImageProcessor(size={"shortest_edge": VISION_IMAGE_SIZE}, crop_size=side)
+        # num_additional_image_tokens: CLIP's class token, which the "default" strategy drops again
+        LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=VISION_PATCH, chat_template=VISION_CHAT_TEMPLATE,
+                       vision_feature_select_strategy="default", image_token="<image>",
+                       num_additional_image_tokens=1).save_pretrained(str(tmp))
+        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": tok.bos_token_id,
+                                                                "eos_token_id": eos}, indent=2))
+        (tmp / "tiny_model_version").write_text(str(VERSION))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.chmod(0o755)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="model directory to create (replaced if it exists)")
-    p.add_argument("--kind", choices=["llm", "lora", "embedding"], default="llm",
+    p.add_argument("--kind", choices=["llm", "lora", "embedding", "vision"], default="llm",
                    help="llm: the tiny Llama; lora: a LoRA adapter for the tiny Llama given by --base; embedding: a "
-                        "sentence-transformers embedding model of it")
+                        "sentence-transformers embedding model of it; vision: a LLaVA-shaped vision-language model "
+                        "around a tiny Llama")
     p.add_argument("--base", help="with --kind lora or embedding: the tiny Llama's directory (embedding: built "
                                   "first when not given)")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the weights")
@@ -245,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     marker = Path(args.out) / "tiny_model_version"
     if args.if_stale and marker.exists() and marker.read_text().strip() == str(VERSION):
         print(f"tiny model in {args.out} is up to date")
+        return 0
+    if args.kind == "vision":
+        out = build_vision(Path(args.out), seed=args.seed, vocab_size=args.vocab_size, max_len=args.max_len)
+        print(f"tiny vision-language model written to {out}")
         return 0
     out = build_model(Path(args.out), seed=args.seed, vocab_size=args.vocab_size, max_len=args.max_len)
     print(f"tiny model written to {out}")

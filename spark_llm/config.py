@@ -25,7 +25,7 @@ DESIGN_NAMES: dict[str, str] = {
 }
 
 #: Setting groups, in the order ``spark-llm run --help`` shows them. Every field names its group once, below.
-GROUPS = ("input", "table input", "output", "model and engine", "sampling defaults", "limits",
+GROUPS = ("input", "table input", "output", "model and engine", "sampling defaults", "limits", "images",
           "partitioning and waves")
 
 
@@ -320,6 +320,23 @@ class BatchConfig(BaseModel):
         2048, ge=0, description="Characters of the raw input line kept in an error row (the rest is cut and "
         "marked with …). Keeps the errors table small when huge lines fail.",
         json_schema_extra=group("limits"))
+    allowed_media_paths: Optional[str] = Field(
+        None, description="Comma-separated directories or storage URIs (s3a://bucket/images/, /Volumes/...) that "
+        "image paths in requests may point into; others are invalid_image_url rows. Default: the directory of "
+        "the input file.", json_schema_extra=group("images"))
+    allowed_media_domains: Optional[str] = Field(
+        None, description="Comma-separated hosts (and their subdomains) that http(s) image URLs may be fetched "
+        "from, as vLLM's setting of that name. Default none: a batch job does not fetch the URLs a file names "
+        "from inside the cluster unless told to.", json_schema_extra=group("images"))
+    max_image_bytes: int = Field(
+        20_000_000, ge=1, description="Largest image a request may send, in bytes (encoded); larger ones are "
+        "image_too_large rows.", json_schema_extra=group("images"))
+    max_image_pixels: int = Field(
+        40_000_000, ge=1, description="Largest image in pixels (width x height); larger ones are image_too_large "
+        "rows (a decompression bomb is refused before it is decoded).", json_schema_extra=group("images"))
+    media_fetch_timeout_seconds: float = Field(
+        20.0, gt=0, description="Seconds an http(s) image fetch may take (allowed domains only).",
+        json_schema_extra=group("images"))
     max_requests: Optional[int] = Field(
         None, ge=1, description="Most non-blank input lines one batch may hold; a larger input stops the job before "
         "any inference. None: no limit.",

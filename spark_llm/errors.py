@@ -21,6 +21,11 @@ class ErrorCode(str, Enum):
     MODEL_NOT_FOUND = "model_not_found"            # body.model is not the served model name
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over max_model_len
     ENGINE_ERROR = "engine_error"                  # the engine failed on this one request
+    INVALID_IMAGE_URL = "invalid_image_url"        # an image's URL or path refused, missing or unreadable
+    INVALID_IMAGE_FORMAT = "invalid_image_format"  # not an image, or a format not supported
+    IMAGE_PARSE_ERROR = "image_parse_error"        # a corrupt or truncated image
+    IMAGE_TOO_LARGE = "image_too_large"            # over max_image_bytes or max_image_pixels
+    IMAGE_NOT_SUPPORTED = "image_not_supported"    # an image sent to a model without a vision encoder
     BATCH_CANCELLED = "batch_cancelled"            # the batch was cancelled before the request ran
     BATCH_EXPIRED = "batch_expired"                # the batch's completion window ran out before it ran
 

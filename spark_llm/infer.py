@@ -27,7 +27,8 @@ from .engine_host import (EngineClient, EngineDied, EngineGone, EngineSpec, Proc
                           TaskPlace, engine_for, prestart)
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .engine_host.placement import task_gpus
-from .errors import ErrorCode, truncate
+from .errors import ErrorCode, RequestError, truncate
+from .media import MediaPolicy, label, read_image
 from .schemas import RESULT_FIELDS
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class InferContext:
     #: where the inference tasks feed engines (:attr:`~spark_llm.engine_host.placement.EngineLayout.place`); the
     #: task adds the GPUs Spark gives it
     place: TaskPlace = TaskPlace()
+    media: MediaPolicy = MediaPolicy()  #: where the requests' images are read from
 
     def partition(self, pdf: Any) -> int:
         """The run's number of the partition ``pdf`` (its planned partition, after the earlier models')."""
@@ -71,12 +73,14 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     rows = [_base_row(pdf, i, ctx) for i in range(n)]
     options = [json.loads(x) for x in pdf["options_json"]]
     kinds = list(pdf["kind"])
-    requests, owner = _engine_requests(pdf, options)
+    requests, owner, unreadable = _engine_requests(pdf, options, ctx.media)
 
     def answer(i: int, outputs: list) -> None:
         rows[i]["model"] = options[i].get("adapter") or ctx.served_model_name
         _answer(rows[i], outputs, kinds[i], Reply(rows[i]["request_id"], rows[i]["model"], int(time.time()),
                                                   options[i]))
+    for i, failure in unreadable.items():  # an image gone or changed since its tokens were counted
+        answer(i, [failure])
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
     journal = Journal.open(ctx.journal, ctx.partition(pdf))
     place = dataclasses.replace(ctx.place, gpus=tuple(gpus)) if gpus else ctx.place
@@ -132,7 +136,7 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
         by_row.setdefault(i, []).append(j)
     deaths = journal.deaths() if journal is not None else []
     results: list = [None] * len(requests)
-    done: set[str] = set()
+    done: set[str] = {r for i, r in enumerate(ids) if i not in by_row}  # answered before (an unreadable image)
     gone = 0  # engines found gone before a call: not deaths
     while True:
         plan = isolation_plan([r for r in ids if r not in done], deaths)
@@ -206,10 +210,12 @@ def prestart_partition(batches: Iterator, ctx: InferContext) -> Iterator:
         yield pd.DataFrame({"slot": [slot.name], "started": [prestart(ctx.engine, ctx.process, slot)]})
 
 
-def _engine_requests(pdf: Any, options: list[dict]) -> tuple[list[tuple[list[int], dict, dict]], list[int]]:
+def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy) -> tuple[list[tuple], list[int],
+                                                                                  dict[int, RequestFailure]]:
     """One engine request per prompt of every row (prompt token ids, SamplingParams keyword arguments, what the
-    engine should parse out of the answer), and the row each belongs to."""
-    requests, owner = [], []
+    engine should parse out of the answer and, for a row with images, their bytes, read here and decoded by the
+    engine), the row each belongs to, and the rows whose images could not be read (no request: their failure)."""
+    requests, owner, unreadable = [], [], {}
     for i, (kind, sampling_json, prompts) in enumerate(zip(pdf["kind"], pdf["sampling_json"],
                                                           pdf["prompt_token_ids"])):
         sampling = json.loads(sampling_json)
@@ -218,17 +224,26 @@ def _engine_requests(pdf: Any, options: list[dict]) -> tuple[list[tuple[list[int
             parse["tools"] = options[i]["tools"]
         if options[i].get("adapter"):
             parse["adapter"] = options[i]["adapter"]
+        urls = options[i].get("images") or []
+        try:
+            images = [read_image(u, media, label(k, len(urls), u)) for k, u in enumerate(urls)]
+        except RequestError as exc:
+            unreadable[i] = RequestFailure("image", exc.message, exc.code.value)
+            continue
         for ids in prompts:
-            requests.append((ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids], sampling, parse))
+            ids = ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
+            requests.append((ids, sampling, parse, images) if images else (ids, sampling, parse))
             owner.append(i)
-    return requests, owner
+    return requests, owner, unreadable
 
 
 def _answer(row: dict, outputs: list, kind: str, reply: Reply) -> None:
     """Fill a result row from its engine outputs: the endpoint's response body, or the first failure's error."""
     failure = next((o for o in outputs if isinstance(o, RequestFailure)), None)
     if failure is not None:
-        if failure.kind == "invalid":
+        if failure.code is not None:  # a bad image
+            row.update(error_code=failure.code, error_message=truncate(failure.message, 1000))
+        elif failure.kind == "invalid":
             row.update(error_code=ErrorCode.INVALID_REQUEST.value,
                        error_message=f"request parameters rejected by the engine: {failure.message}")
         else:

@@ -192,6 +192,16 @@ def model_runner(model: str) -> str:
     return "pooling" if archs and not any(a.endswith(_GENERATIVE) for a in archs) else "generate"
 
 
+def takes_images(model: str) -> bool:
+    """Whether the model directory holds a vision-language model: its config has a vision encoder's settings
+    (``vision_config``, as LLaVA, Qwen2-VL, Gemma 3, Idefics and the like write it)."""
+    try:
+        config = json.loads((Path(model or "") / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
 def check_adapters(lora_modules: dict[str, str], max_lora_rank: int) -> None:
     """Every LoRA adapter directory exists (local paths; other filesystems are read by the engine) and fits
     max_lora_rank; else the batch stops here, before any work, with one message."""

@@ -12,7 +12,7 @@ workers starting cold and the JVM's first jobs cost a small batch more than its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional, Sequence
 
 from pyspark.sql import DataFrame, SparkSession, Window
@@ -21,6 +21,7 @@ from pyspark.sql import types as T
 
 from .config import BatchConfig, ConfigError, config_view
 from .errors import LINE_LEVEL_CODES, ErrorCode
+from .media import MediaPolicy
 from .read import read_input
 from .schemas import PREFIX_COL, TOKENIZED_SCHEMA, VALIDATED_SCHEMA
 from .tokens import TokenContext, count_batches
@@ -96,7 +97,7 @@ def prepare_on_spark(spark: SparkSession, models: Sequence[BatchConfig]) -> Data
     """:func:`prepare` as Spark jobs: each stage a ``mapInPandas`` over the raw lines on the executors."""
     cfg = models[0]
     vctx = ValidationContext.of_models(models)
-    tctx = {m.served_model_name: config_view(TokenContext, m) for m in models}
+    tctx = {m.served_model_name: replace(config_view(TokenContext, m), media=MediaPolicy.of(m)) for m in models}
     lines = read_input(spark, cfg)
     validated = lines.mapInPandas(lambda it: validate_batches(it, vctx), VALIDATED_SCHEMA)
     deduped = mark_duplicates(validated)
@@ -174,7 +175,7 @@ def prepared_chunks(models: Sequence[BatchConfig]) -> Iterator:
 
     cfg = models[0]
     vctx = ValidationContext.of_models(models)
-    tctx = {m.served_model_name: config_view(TokenContext, m) for m in models}
+    tctx = {m.served_model_name: replace(config_view(TokenContext, m), media=MediaPolicy.of(m)) for m in models}
     first: dict[str, tuple[str, int]] = {}
     for lines in local_lines(local_files(cfg.input or "") or [], cfg.max_line_bytes):
         for validated in validate_batches(iter([lines]), vctx):

@@ -14,13 +14,14 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from .endpoints import BY_KIND
 from .endpoints.common import check_token_ids
-from .errors import ErrorCode
+from .errors import ErrorCode, RequestError
+from .media import MediaPolicy, image_tokens, label, measure, read_image
 from .host import locked
 from .partition import prefix_key
 from .schemas import PREFIX_COL
@@ -190,6 +191,9 @@ class TokenContext:
     tokenizer: str
     max_model_len: int
     context_overflow: str
+    model: str = ""  #: whose processor counts image tokens
+    #: where a request's images may come from (they are read and measured here)
+    media: MediaPolicy = field(default=MediaPolicy(), metadata={"derived": True})
 
 
 def render_prompt(tokenizer: Any, kind: str, prompt: Any,
@@ -233,13 +237,15 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
     return count_rows(tokenizer, [(kind, prompt_json, sampling_json)], ctx)[0]
 
 
-def count_rows(tokenizer: Any, rows: Sequence[tuple[str, str, str]], ctx: TokenContext) -> list[dict]:
-    """:func:`count_row` of many valid requests (``kind``, ``prompt_json``, ``sampling_json``): each prompt rendered
-    (the chat template), then all their texts encoded in one tokenizer call per kind of special tokens. A request
-    whose template or tokenizer fails gets an ``invalid_request`` result of its own."""
+def count_rows(tokenizer: Any, rows: Sequence[tuple], ctx: TokenContext) -> list[dict]:
+    """:func:`count_row` of many valid requests (``kind``, ``prompt_json``, ``sampling_json`` and, for a request
+    with images, their URLs): each prompt rendered (the chat template), then all their texts encoded in one
+    tokenizer call per kind of special tokens, and each image read and measured (:func:`_image_tokens`). A request
+    whose template or tokenizer fails gets an ``invalid_request`` result of its own; one whose image does, that
+    image's error."""
     limit = ctx.max_model_len * _MAX_CHARS_PER_TOKEN
     staged: list[Any] = []  # per row: (prompt, sampling, parts, cut, special tokens), or what stopped it
-    for kind, prompt_json, sampling_json in rows:
+    for kind, prompt_json, sampling_json, *_ in rows:
         try:
             prompt, sampling, endpoint = json.loads(prompt_json), json.loads(sampling_json), BY_KIND[kind]
             parts, cut = _cut(endpoint.prompt_texts(tokenizer, prompt), limit)
@@ -251,12 +257,18 @@ def count_rows(tokenizer: Any, rows: Sequence[tuple[str, str, str]], ctx: TokenC
         if failure is not None:
             staged[r] = failure
     out, vocab = [], len(tokenizer)
-    for (kind, _, sampling_json), st in zip(rows, staged):
+    for (kind, _, sampling_json, *images), st in zip(rows, staged):
         try:
             if isinstance(st, Exception):
                 raise st
             prompt, sampling, ids, cut, _ = st
-            out.append(_decide(tokenizer, vocab, Rendered(kind, prompt, sampling, sampling_json, ids, cut), ctx))
+            extra = _image_tokens(ids[0], images[0], ctx) if images and images[0] else 0
+            out.append(_decide(tokenizer, vocab, Rendered(kind, prompt, sampling, sampling_json, ids, cut, extra),
+                               ctx))
+        except RequestError as exc:
+            out.append({"prompt_token_ids": None, "prompt_tokens": None, "notes": None, "est_tokens": None,
+                        "sampling_json": sampling_json, "max_tokens": None, "error_code": exc.code.value,
+                        "error_message": exc.message})
         except Exception as exc:
             out.append({"prompt_token_ids": None, "prompt_tokens": None, "notes": None, "est_tokens": None,
                         "sampling_json": sampling_json, "max_tokens": None,
@@ -303,6 +315,8 @@ class Rendered:
     sampling_json: str
     ids: list[list[int]]
     truncated: bool
+    #: tokens the prompt's images add beyond their one placeholder token each (the engine expands them)
+    image_tokens: int = 0
 
 
 def _decide(tokenizer: Any, vocab: int, request: Rendered, ctx: TokenContext) -> dict:
@@ -310,11 +324,11 @@ def _decide(tokenizer: Any, vocab: int, request: Rendered, ctx: TokenContext) ->
     kind, prompt, sampling, sampling_json = request.kind, request.prompt, request.sampling, request.sampling_json
     ids, truncated = request.ids, request.truncated
     max_tokens = int(sampling["max_tokens"])
-    longest = max(len(p) for p in ids)
+    longest = max(len(p) for p in ids) + request.image_tokens
     if truncated and longest + max_tokens <= ctx.max_model_len:  # pathological chars/token: count it all
         ids, truncated = render_prompt(tokenizer, kind, prompt)
-        longest = max(len(p) for p in ids)
-    n_prompt = sum(len(p) for p in ids)
+        longest = max(len(p) for p in ids) + request.image_tokens
+    n_prompt = sum(len(p) for p in ids) + request.image_tokens
     out = {"prompt_token_ids": ids, "prompt_tokens": n_prompt, "max_tokens": max_tokens, "notes": None,
            "est_tokens": estimated_tokens(n_prompt, len(ids), sampling, max_tokens),
            "sampling_json": sampling_json, "error_code": None, "error_message": None}
@@ -345,6 +359,23 @@ def _decide(tokenizer: Any, vocab: int, request: Rendered, ctx: TokenContext) ->
     return out
 
 
+def _image_tokens(ids: list[int], urls: list[str], ctx: TokenContext) -> int:
+    """The tokens a prompt's images add beyond their placeholders (one image token each in ``ids``, which the
+    engine expands): each image read and measured from its header, its count the model's processor's for its
+    size. A bad image raises its error (:mod:`~spark_llm.media`)."""
+    counter = image_tokens(ctx.model)
+    placed = sum(1 for t in ids if t == counter.token_id)
+    if placed != len(urls):
+        raise RequestError(ErrorCode.IMAGE_NOT_SUPPORTED,
+                           f"the model's chat template placed {placed} image token(s) for {len(urls)} image(s); "
+                           f"its template must render image parts (type image)")
+    extra = 0
+    for k, url in enumerate(urls):
+        where = label(k, len(urls), url)
+        extra += counter.count(measure(read_image(url, ctx.media, where), ctx.media, where)) - 1
+    return extra
+
+
 def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, TokenContext]) -> Iterator:
     """mapInPandas body: adds prompt_token_ids, prompt_tokens, est_tokens, prefix_key and notes; error rows pass
     through. Each batch's requests of one model are counted together (:func:`count_rows`).
@@ -367,8 +398,8 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
                 ctx = contexts if isinstance(contexts, TokenContext) else contexts[model]
                 by_context.setdefault(ctx, []).append(i)
         for ctx, rows in by_context.items():
-            results = count_rows(get_tokenizer(ctx.tokenizer), [(kinds[i], prompts[i], sampling[i]) for i in rows],
-                                 ctx)
+            results = count_rows(get_tokenizer(ctx.tokenizer), [(kinds[i], prompts[i], sampling[i],
+                                                                 _images(options[i])) for i in rows], ctx)
             for i, res in zip(rows, results):
                 n_col[i] = res["prompt_tokens"]
                 if res["error_code"] is not None:
@@ -383,3 +414,8 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
                             "prompt_tokens": pd.array(n_col, dtype="Int64"),
                             "est_tokens": pd.array(est_col, dtype="Int64"),
                             PREFIX_COL: pd.array(key_col, dtype="Int64"), "notes": notes_col})
+
+
+def _images(options_json: Optional[str]) -> Optional[list[str]]:
+    """The image URLs of a request (its options' ``images``), or None."""
+    return json.loads(options_json).get("images") if options_json and '"images"' in options_json else None

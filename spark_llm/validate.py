@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 from .endpoints import ENDPOINTS, SERVED_BY
 from .endpoints.common import json_type as _json_type
 from .errors import LINE_LEVEL_CODES, ErrorCode, RequestError, truncate
+from .media import MediaPolicy, without_data_urls
 from .schemas import VALIDATED_FIELDS
 
 _BOM = b"\xef\xbb\xbf"
@@ -41,13 +42,20 @@ class ValidationContext:
     lora_modules: dict[str, str]
     #: the batch's other models (their own contexts): a request naming one of them runs there
     others: tuple["ValidationContext", ...] = field(default=(), metadata={"derived": True})
+    #: the model has a vision encoder: image parts are accepted (see models.takes_images)
+    images: bool = field(default=False, metadata={"derived": True})
+    #: where images may come from and how large they may be
+    media: MediaPolicy = field(default=MediaPolicy(), metadata={"derived": True})
 
     @classmethod
     def of_models(cls, models: Sequence[Any]) -> "ValidationContext":
         """The context of a batch's models (resolved configs, the main model first)."""
         from .config import config_view
+        from .models import local_copy, takes_images
 
-        first, *rest = [config_view(cls, m) for m in models]
+        first, *rest = [replace(config_view(cls, m), media=MediaPolicy.of(m),
+                                images=bool(m.model) and takes_images(local_copy(m.model, weights=False)))
+                        for m in models]
         return replace(first, others=tuple(rest))
 
     def route(self, model: str) -> tuple["ValidationContext", Optional[str]]:
@@ -97,7 +105,7 @@ def validate_line(raw: bytes | str | None, file: str, line_number: int, ctx: Val
         obj = _parse_json(text)
         row["custom_id"] = _custom_id(obj)
         _check_envelope(obj, row, ctx)
-        row["request"] = text
+        row["request"] = without_data_urls(text)  # the images travel in options_json
         row["raw_line"] = None
     except RequestError as err:
         row["error_code"], row["error_message"] = err.code.value, err.message

@@ -35,6 +35,7 @@ from .engine_host import EngineSpec, Executor, ProcessSettings, prestart_slots
 from .engine_host.placement import config_layout, has_gpus, inference_profile
 from .errors import EngineStartError
 from .infer import InferContext, infer_partition, prestart_partition, warm_partition
+from .media import MediaPolicy
 from .models import resolve
 from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions, plan_settings
@@ -193,7 +194,7 @@ def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
                         batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics,
                         journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
                         partition_offset=numbering.partitions, place=run.layout.place,
-                        priority=PRIORITIES.index(run.cfg.priority))
+                        priority=PRIORITIES.index(run.cfg.priority), media=MediaPolicy.of(run.cfg))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "tiny-llm"
 ADAPTER = "tiny-lora"  #: the LoRA adapter's name (and directory name, beside the tiny model)
 EMBEDDING_MODEL = "tiny-embed"  #: the embedding model's directory name, beside the tiny model
+VISION_MODEL = "tiny-vlm"  #: the vision-language model's directory and served name
 #: The shared run holds a request with this custom_id: the Python worker whose partition holds it dies hard once,
 #: right after its engine call (spark_llm.faults), and Spark retries the partition.
 KILL_CUSTOM_ID = "kill-my-worker"
@@ -104,6 +105,12 @@ def embedding_model(tiny_model) -> str:
     pooling, normalised, 256 floats; its weight file linked to the tiny Llama's."""
     out = Path(tiny_model).parent / EMBEDDING_MODEL
     return str(_load_script("make_tiny_model").build_embedding(Path(tiny_model), out))
+
+
+@pytest.fixture(scope="session")
+def vision_model(tiny_model) -> str:
+    """The tiny LLaVA-shaped vision-language model (make_tiny_model.py --kind vision): 16 tokens an image."""
+    return str(_load_script("make_tiny_model").build_vision(Path(tiny_model).parent / VISION_MODEL))
 
 
 def write_jsonl(path: Path, lines: list) -> Path:

@@ -78,7 +78,8 @@ def test_stage_contexts_and_the_engine_spec_are_views_of_the_config():
 
     cfg = BatchConfig(model="/m", max_model_len=64, max_n=3, default_top_p=0.5).resolved(max_model_len=999)
     assert cfg.max_model_len == 64 and cfg.tokenizer == "/m" and cfg.batch_id.startswith("batch_")
-    assert config_view(TokenContext, cfg) == TokenContext(tokenizer="/m", max_model_len=64, context_overflow="error")
+    assert config_view(TokenContext, cfg) == TokenContext(tokenizer="/m", max_model_len=64, context_overflow="error",
+                                                          model="/m")
     v = config_view(ValidationContext, cfg)
     assert (v.max_n, v.default_top_p, v.served_model_name) == (3, 0.5, "m")
     spec = EngineSpec.from_config(cfg)

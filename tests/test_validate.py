@@ -190,7 +190,7 @@ def test_model_must_be_the_served_name(model, code):
     ([{"role": "user", "content": None}], "invalid_request"),
     ([{"role": "user", "content": 5}], "invalid_request"),
     ([{"role": "user", "content": []}], "invalid_request"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "unsupported_parameter"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "image_not_supported"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "invalid_request"),
     ([{"role": "user", "content": "x", "audio": {}}], "unsupported_parameter"),
     ([{"role": "tool", "content": "x"}], "invalid_request"),

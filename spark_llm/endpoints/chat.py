@@ -26,7 +26,8 @@ _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refus
 
 def check(body: dict, ctx: Any) -> Checked:
     common.check_fields(body, FIELDS, URL)
-    messages = _messages(body.get("messages"))
+    images: list[str] = []  # the image parts' URLs, in order
+    messages = _messages(body.get("messages"), ctx, images)
     tools = _tools(body.get("tools"), ctx)
     choice, named = common.tool_choice(body.get("tool_choice"), tools, _named, _NAMED)
     parallel = common.boolean(body, "parallel_tool_calls")
@@ -48,6 +49,8 @@ def check(body: dict, ctx: Any) -> Checked:
     if tool_format or answer_format:
         sp["structured_outputs"] = tool_format or answer_format
     prompt = common.template_inputs(messages, tools, choice, body.get("reasoning_effort"), "body.reasoning_effort")
+    if images:
+        options["images"] = images
     return Checked(prompt, sp, options)
 
 
@@ -96,17 +99,17 @@ def respond(outputs: list, reply: Reply) -> Answer:
 
 # ---- request parts -------------------------------------------------------------------------------------------
 
-def _messages(messages: Any) -> list[dict]:
+def _messages(messages: Any, ctx: Any, images: list[str]) -> list[dict]:
     if messages is None:
         raise invalid(f"body.messages is required for {URL}")
     if not isinstance(messages, list):
         raise invalid(f"body.messages must be a list, got {json_type(messages)}")
     if not messages:
         raise invalid("body.messages must not be empty")
-    return [_message(msg, f"body.messages[{i}]") for i, msg in enumerate(messages)]
+    return [_message(msg, f"body.messages[{i}]", ctx, images) for i, msg in enumerate(messages)]
 
 
-def _message(msg: Any, where: str) -> dict:
+def _message(msg: Any, where: str, ctx: Any, images: list[str]) -> dict:
     if not isinstance(msg, dict):
         raise invalid(f"{where} must be an object, got {json_type(msg)}")
     role = msg.get("role")
@@ -125,8 +128,11 @@ def _message(msg: Any, where: str) -> dict:
         out["tool_calls"] = [_history_call(c, f"{where}.tool_calls[{j}]")
                              for j, c in enumerate(_list(msg["tool_calls"], f"{where}.tool_calls"))]
         return out
-    content = common.text_content(msg.get("content"), f"{where}.content",
-                                  ("text", "refusal") if role == "assistant" else ("text",))
+    if role == "user":  # images come in user turns, as OpenAI takes them
+        content = common.user_content(msg.get("content"), f"{where}.content", ("text",), "image_url", ctx, images)
+    else:
+        content = common.text_content(msg.get("content"), f"{where}.content",
+                                      ("text", "refusal") if role == "assistant" else ("text",))
     out = {"role": "system" if role == "developer" else role, "content": content}
     if role == "tool":
         if not isinstance(msg.get("tool_call_id"), str) or not msg["tool_call_id"]:

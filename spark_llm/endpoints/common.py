@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..errors import ErrorCode, RequestError, truncate
+from ..media import check_url
 
 #: Request fields that carry no meaning for generation and are accepted and ignored.
 HARMLESS_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream", "stream_options",
@@ -133,6 +134,55 @@ def text_content(content: Any, where: str, part_types: tuple[str, ...] = ("text"
             raise invalid(f"{where} must not be empty")
         return text
     raise invalid(f"{where} must be a string or a list of text parts, got {json_type(content)}")
+
+
+def user_content(content: Any, where: str, text_types: tuple[str, ...], image_type: str, ctx: Any,
+                 images: list[str]) -> Any:
+    """A user message's content: its text (as :func:`text_content`), or, when it holds image parts
+    (``image_type``: chat's ``image_url``, Responses' ``input_image``), its parts as the chat template takes them,
+    ``{"type": "text", "text": ...}`` and ``{"type": "image"}``, each image's URL appended to ``images`` in order
+    (checked by :func:`~spark_llm.media.check_url`; read when the tokens are counted)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == image_type
+                                                 for p in content):
+        return text_content(content, where, text_types)
+    if not ctx.images:
+        raise RequestError(ErrorCode.IMAGE_NOT_SUPPORTED,
+                           f"{where} holds an image, and {ctx.served_model_name!r} has no vision encoder (its "
+                           f"config.json names no vision_config); send images to a vision-language model")
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(f"{at} must be an object with a type")
+        if part["type"] == image_type:
+            images.append(check_url(_image_url(part, at, image_type), ctx.media, at))
+            parts.append({"type": "image"})
+        elif part["type"] in text_types:
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{at}.text must be a string")
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise unsupported(f"{at} has type {part['type']!r}; only {' / '.join(text_types + (image_type,))} "
+                              f"parts are supported")
+    return parts
+
+
+def _image_url(part: dict, where: str, image_type: str) -> Any:
+    """The URL of an image part: chat's ``image_url.url`` (``detail`` accepted: the model's processor decides the
+    resolution), Responses' ``image_url`` string."""
+    if part.get("detail", "auto") not in ("auto", "low", "high"):
+        raise invalid(f"{where}.detail must be auto, low or high")
+    if image_type == "input_image":
+        if part.get("file_id") is not None:
+            raise unsupported(f"{where}.file_id: images are read from image_url (a data: URL, a path or an "
+                              f"allowed URL), not from uploaded files")
+        return part.get("image_url")
+    value = part.get("image_url")
+    if isinstance(value, dict):
+        if value.get("detail", "auto") not in ("auto", "low", "high"):
+            raise invalid(f"{where}.image_url.detail must be auto, low or high")
+        return value.get("url")
+    raise invalid(f"{where}.image_url must be an object with a url, got {json_type(value)}")
 
 
 def text_or_token_inputs(value: Any, where: str, url: str, limit: int) -> list:

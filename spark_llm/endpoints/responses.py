@@ -45,7 +45,8 @@ def check(body: dict, ctx: Any) -> Checked:
     if body.get("truncation") not in (None, "disabled"):
         raise unsupported("body.truncation auto is not supported: over-long inputs are context_length_exceeded "
                           "errors (see context_overflow)")
-    messages = _messages(body.get("input"), body.get("instructions"))
+    images: list[str] = []  # the input_image parts' URLs, in order
+    messages = _messages(body.get("input"), body.get("instructions"), ctx, images)
     tools = _tools(body.get("tools"), ctx)
     choice, named = common.tool_choice(body.get("tool_choice"), tools, _named, _NAMED)
     parallel = common.boolean(body, "parallel_tool_calls")
@@ -75,6 +76,8 @@ def check(body: dict, ctx: Any) -> Checked:
         "text": {"format": fmt or {"type": "text"}},
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
     }
+    if images:
+        options["images"] = images
     return Checked(prompt, sp, options)
 
 
@@ -119,7 +122,7 @@ def respond(outputs: list, reply: Reply) -> Answer:
 
 # ---- request parts -------------------------------------------------------------------------------------------
 
-def _messages(items: Any, instructions: Any) -> list[dict]:
+def _messages(items: Any, instructions: Any, ctx: Any, images: list[str]) -> list[dict]:
     messages: list[dict] = []
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -143,7 +146,11 @@ def _messages(items: Any, instructions: Any) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"{where}.role must be user, system, developer or assistant, got "
                               f"{truncate(json.dumps(role), 40)}")
-            text = common.text_content(item.get("content"), f"{where}.content", _TEXT_PARTS + ("refusal",))
+            if role == "user":
+                text = common.user_content(item.get("content"), f"{where}.content", _TEXT_PARTS, "input_image",
+                                           ctx, images)
+            else:
+                text = common.text_content(item.get("content"), f"{where}.content", _TEXT_PARTS + ("refusal",))
             messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = _history_call(item, where)

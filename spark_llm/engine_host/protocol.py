@@ -98,10 +98,12 @@ class Output:
 
 @dataclass
 class RequestFailure:
-    """Why one request got no output: ``invalid`` sampling settings, or an ``engine`` error on this request."""
+    """Why one request got no output: ``invalid`` sampling settings, an ``engine`` error on this request, or a bad
+    ``image`` (``code``: its error code, :data:`~spark_llm.media.IMAGE_CODES`)."""
 
     kind: str
     message: str
+    code: Optional[str] = None
 
 
 class EngineDied(RuntimeError):

@@ -41,7 +41,8 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from ..errors import EngineStartError
+from ..errors import EngineStartError, RequestError
+from ..media import decode
 from ..host import process_alive, try_lock, write_private
 from .directory import STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, engine_dir, event, process_record
 from .isolation import generate_isolating, is_fatal
@@ -410,14 +411,18 @@ class EngineServer:
 
         results: list = [None] * len(requests)
         prompts, params, adapters, index = [], [], [], []
-        for i, (ids, sampling, options) in enumerate(requests):
+        for i, request in enumerate(requests):
             try:
-                params.append(sampling_params(sampling, self.pooling))
+                prompt = engine_prompt(request)
+                params.append(sampling_params(request[1], self.pooling))
+            except RequestError as exc:
+                results[i] = RequestFailure("image", exc.message, exc.code.value)
+                continue
             except Exception as exc:
                 results[i] = RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
                 continue
-            prompts.append({"prompt_token_ids": ids})
-            adapters.append(self.adapters.get(options.get("adapter")))
+            prompts.append(prompt)
+            adapters.append(self.adapters.get(request[2].get("adapter")))
             index.append(i)
         # the adapter of each request rides with its sampling settings, so that bisection keeps them paired
         paired = list(zip(params, adapters))
@@ -455,16 +460,18 @@ class EngineServer:
         failed, ready = [], []
         for index, request in chunk:
             try:
-                ready.append((index, request, sampling_params(request[1])))
+                ready.append((index, request, sampling_params(request[1]), engine_prompt(request)))
+            except RequestError as exc:
+                failed.append((index, RequestFailure("image", exc.message, exc.code.value)))
             except Exception as exc:
                 failed.append((index, RequestFailure("invalid", f"{type(exc).__name__}: {exc}")))
 
         def add(items: list) -> None:
-            loras = [self.adapters.get(r[2].get("adapter")) for _, r, _ in items]
-            ids = self.engine.enqueue([{"prompt_token_ids": r[0]} for _, r, _ in items], [p for _, _, p in items],
+            loras = [self.adapters.get(r[2].get("adapter")) for _, r, _, _ in items]
+            ids = self.engine.enqueue([prompt for *_, prompt in items], [p for _, _, p, _ in items],
                                       lora_request=loras if any(a is not None for a in loras) else None,
                                       use_tqdm=False)
-            for internal, (index, request, _) in zip(ids, items):
+            for internal, (index, request, _, _) in zip(ids, items):
                 # outputs carry the id the request was added with; vLLM's own id has a random suffix after it
                 flight[internal.split("-", 1)[0]] = _InFlight(stream, index, request, internal)
         try:
@@ -514,6 +521,17 @@ class EngineServer:
             idle = time.monotonic() - self.last_used
             if self.idle_timeout and self.called and not self.streams and idle > self.idle_timeout:
                 self.inbox.put(("stop", f"idle for {idle:.0f}s", 0, "if idle"))
+
+
+def engine_prompt(request: tuple) -> dict:
+    """vLLM's prompt for a request (prompt token ids, SamplingParams keyword arguments, what to parse, and, for a
+    request with images, their bytes): the token ids, and the images decoded, here and only here
+    (:func:`~spark_llm.media.decode`; vLLM's processor resizes them and expands each image's placeholder token)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": request[0]}
+    if len(request) > 3 and request[3]:
+        prompt["multi_modal_data"] = {"image": [decode(data, f"image {k + 1} of {len(request[3])}")
+                                                for k, data in enumerate(request[3])]}
+    return prompt
 
 
 def _receive(conn: Any, count: int) -> list:
