@@ -32,6 +32,7 @@ class RunPaths:
     error_file: str
     batch_file: str
     report_file: str
+    settings_file: str  #: the run's settings (secrets masked), beside batch.json
     staging: str
     outputs_table: str
     errors_table: str
@@ -50,7 +51,8 @@ class RunPaths:
             tables.update({k: v for k, v in (("outputs", cfg.outputs_table_path),
                                               ("errors", cfg.errors_table_path)) if v})
         return cls(output_dir=out, output_file=f"{out}/output.jsonl", error_file=f"{out}/errors.jsonl",
-                   batch_file=f"{out}/batch.json", report_file=f"{out}/report.html", staging=f"{out}/_staging",
+                   batch_file=f"{out}/batch.json", report_file=f"{out}/report.html",
+                   settings_file=f"{out}/settings.json", staging=f"{out}/_staging",
                    outputs_table=tables["outputs"], errors_table=tables["errors"], metrics_table=tables["metrics"],
                    embeddings_table=tables["embeddings"])
 

@@ -7,7 +7,7 @@ from enum import Enum
 
 
 class ErrorCode(str, Enum):
-    """Every ``code`` an error row can carry. The README lists them with when each is used."""
+    """Every ``code`` an error row can carry. docs/reliability.md says when each is used."""
 
     INVALID_ENCODING = "invalid_encoding"          # line is not valid UTF-8 / holds lone surrogates
     LINE_TOO_LARGE = "line_too_large"              # line longer than max_line_bytes

@@ -33,8 +33,8 @@ PREPARED_SCHEMA = T.StructType(TOKENIZED_SCHEMA.fields + [T.StructField("id", T.
                                                           T.StructField("request_id", T.StringType())])
 
 #: Largest input (bytes of JSONL files on this machine) a local session prepares in the driver's process
-#: (:func:`prepares_in_process`). Its rows pass through the driver on their way to Spark, so the bound is small; a
-#: 15-line batch's prepare stage took 16 s as Spark jobs here, beside a loading engine.
+#: (:func:`prepares_in_process`). Its rows pass through the driver on their way to Spark, so the bound is small; as
+#: Spark jobs, a 15-line batch's prepare stage takes 16 s beside a loading engine on two cores.
 LOCAL_PREPARE_BYTES = 8 << 20
 
 
@@ -127,7 +127,7 @@ def preload_tokenizers(config: BatchConfig) -> bool:
     """``spark-llm run`` on a local master it starts itself: when the input is small enough to be prepared in this
     process (:data:`LOCAL_PREPARE_BYTES`), load its models' tokenizers in a thread of this process while the
     session's JVM starts, for :func:`prepare_in_process` to find loaded (importing transformers and loading the
-    tokenizer took 3.7 s of a 15-line run's 27 s, after the session was up). A head start only: False, and nothing
+    tokenizer is 3.7 s of a 15-line run's 27 s when it waits for the session). A head start only: False, and nothing
     loaded, when the input is not such a file or the settings do not resolve here; a tokenizer that fails to load
     fails the prepare stage's own load, with its message."""
     import threading

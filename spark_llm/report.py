@@ -3,6 +3,7 @@ and its engine usage over all its runs from the metrics table, then batch.json a
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -129,6 +130,8 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
         if usage is not None:
             usage.thread.join()
         files.wait()
+    storage.write_text_atomic(run.spark, run.paths.settings_file,
+                              json.dumps(run.cfg.redacted(), indent=2, default=str) + "\n")
     storage.write_text_atomic(run.spark, run.paths.report_file, report)
     storage.write_text_atomic(run.spark, run.paths.batch_file, batch.to_json())  # last: the batch is done
     result = BatchResult(batch=batch, paths=run.paths, skipped=outcome.skipped)

@@ -2,9 +2,9 @@
 
 Inputs are small: the batch object, the partition plan, one metrics record per partition and a prompt-length
 histogram computed by Spark. No rows reach the driver. The plots are a few dozen SVG elements each, written as text:
-no plotting library is imported (matplotlib's import, on the engines' cores while they ran, and four PNGs took a
-2,000-line run's driver 0.7 CPU-seconds), nothing global changes in the caller's process, and the page stays small,
-sharp at any zoom and readable without a network.
+no plotting library is imported (matplotlib's import and four PNGs cost a 2,000-line run's driver 0.7 CPU-seconds,
+on the engines' cores), nothing global changes in the caller's process, and the page stays small, sharp at any zoom
+and readable without a network.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ RESULT_SCHEMA = _struct(
 VALIDATED_FIELDS = tuple(VALIDATED_SCHEMA.fieldNames())
 RESULT_FIELDS = tuple(RESULT_SCHEMA.fieldNames())
 
-#: Column -> comment of the outputs table (README documents the same columns).
+#: Column -> comment of the outputs table (docs/schemas.md is generated from these: scripts/make_docs.py).
 OUTPUTS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "batch_id": (S, "Batch run that produced the row"),
     "id": (S, "Batch line id (batch_req_...), the id field of output.jsonl"),
@@ -77,7 +77,7 @@ OUTPUTS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "notes": (S, "Adjustments made to the request, e.g. max_tokens lowered to fit the context"),
     "created_at": (T.TimestampType(), "When the response was generated"),
     "response_body": (S, "Full OpenAI ChatCompletion / Completion / Response object as JSON"),
-    "request": (S, "The original input line as JSON"),
+    "request": (S, "The original input line as JSON (an image's data: URL as its size and hash)"),
 }
 
 ERRORS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
@@ -86,7 +86,7 @@ ERRORS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "custom_id": (S, "custom_id as given; null when the line had no usable custom_id"),
     "file": (S, "Input file of the failed line"),
     "line_number": (L, "1-based line number of the failed line in its input file"),
-    "code": (S, "Error code (see README: error codes)"),
+    "code": (S, "Error code (see docs/reliability.md: error codes)"),
     "message": (S, "What was wrong and what to change"),
     "raw_line": (S, "The input line, cut to max_raw_line_chars characters"),
     "created_at": (T.TimestampType(), "When the error was recorded"),

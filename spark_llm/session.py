@@ -24,12 +24,11 @@ log = logging.getLogger(__name__)
 
 #: Settings for a local session (demo, tests, single machine). Cluster jobs keep their own spark-submit settings.
 #: A local session's rows are few (requests, results, a wave's metrics) beside the engines' work, so its queries
-#: run interpreted: compiling each query's generated Java (Janino, then the JIT) cost more of a short run's CPU,
-#: on the engines' cores, than running the rows did (about 6 CPU-seconds of a 15- or 2,000-line run here). Nor do
-#: they need adaptive execution, which plans each query again after every shuffle, on cold code, to coalesce or
-#: rebalance partitions that a local session's few rows and few shuffle partitions never call for: a 15-line run
-#: took 0.93 and 0.96 of the time with it (two sets of four alternating pairs; 2,000 lines: within the noise).
-#: ``spark:`` settings of the config override these.
+#: run interpreted: compiling each query's generated Java (Janino, then the JIT) costs more of a short run's CPU,
+#: on the engines' cores, than running the rows does (about 6 CPU-seconds of a 15- or 2,000-line run). Nor do they
+#: need adaptive execution, which plans each query again after every shuffle, on cold code, to coalesce or
+#: rebalance partitions that a local session's few rows and few shuffle partitions never call for: without it a
+#: 15-line run takes 0.93-0.96 of the time. ``spark:`` settings of the config override these.
 LOCAL_DEFAULTS = {
     "spark.sql.codegen.wholeStage": "false",
     "spark.sql.codegen.factoryMode": "NO_CODEGEN",
@@ -40,8 +39,9 @@ LOCAL_DEFAULTS = {
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "2",
     "spark.python.worker.reuse": "true",
-    # A cancelled task's Python worker is ended this long after Spark notices the cancel (within 2 s), instead of
-    # 2 s: an inference task waits on its engine and never ends by itself, and its slot is wanted (cancel_waves).
+    # A cancelled task's Python worker is ended this long after Spark notices the cancel (within 2 s; Spark's
+    # default waits 2 s more): an inference task waits on its engine and never ends by itself, and its slot is
+    # wanted at once (context.cancel_waves).
     "spark.python.task.killTimeout": "100ms",
     "spark.python.daemon.module": "spark_llm.worker_daemon",  # pyspark's daemon, its imports made once
     "spark.databricks.delta.snapshotPartitions": "2",
@@ -58,15 +58,14 @@ URGENT_POOL = "spark_llm-urgent"
 #: JVM options of a local session's driver (which is also its executor): the client compiler only. A short run
 #: otherwise spends more CPU time in the JIT's optimising compiler than in Spark's own work, on the same cores as
 #: the engines; the work a local JVM does (reading, shuffles, Delta commits) is small beside the engines'. Options
-#: given in spark.driver.extraJavaOptions come after these, so ``-XX:TieredStopAtLevel=4`` there restores C2. With
-#: the client compiler only, the JVM reserves 48 MiB for compiled code instead of the tiered 240 MiB, which a session
-#: running two 5,000-request batches filled ("CodeCache is full. Compiler has been disabled": interpreted from
-#: there on, for the session's life); the tiered size is asked for again (reserved address space, committed as used).
+#: given in spark.driver.extraJavaOptions come after these, so ``-XX:TieredStopAtLevel=4`` there restores C2. The
+#: client compiler alone would reserve 48 MiB for compiled code, which a session running two 5,000-request batches
+#: fills ("CodeCache is full. Compiler has been disabled": interpreted for the rest of the session's life), so the
+#: tiered size, 240 MiB, is asked for (reserved address space, committed as used).
 LOCAL_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 #: The collector of a local session's JVM unless spark.driver.extraJavaOptions choose one (two would stop it from
 #: starting): the serial one. Its heap is small (spark.driver.memory) and its cores are the engines'; G1's
-#: concurrent threads cost a 15-line run 1-2.5 CPU-seconds more on two cores (JVM CPU 22.5 / 21.6 / 18.9 s with G1
-#: against 20.3 / 19.1 / 17.9 s, three alternating pairs).
+#: concurrent threads cost a 15-line run 1-2.5 CPU-seconds more on two cores.
 LOCAL_GC_OPTION = "-XX:+UseSerialGC"
 #: Environment of a local session's Python workers besides the engine's own (engine.WORKER_ENV_DEFAULTS): this
 #: interpreter, and a 1 GiB KV cache when vLLM runs on the CPU (the CPU build reads this variable, GPU builds do

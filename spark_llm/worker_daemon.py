@@ -3,8 +3,8 @@ daemon, with two start-up costs paid once per executor instead of once per Pytho
 
 - pyspark comes from its installed package, whose compiled bytecode Python caches, instead of the ``pyspark.zip``
   (and py4j zip) Spark puts first on its workers' path, whose sources Python compiles again in every process that
-  imports them: ``import pyspark.daemon`` took 1.5 s of CPU from the zip against 0.3 s installed, ``import
-  pyspark.worker`` 1.3 s against 0.3 s, and every task's ``importlib.invalidate_caches()`` re-read the zips' indexes.
+  imports them (``import pyspark.worker``: 1.3 s of CPU from the zip, 0.3 s installed), and whose indexes every
+  task's ``importlib.invalidate_caches()`` reads again.
   Only the zips of the installed package itself are set aside (pip's pyspark, whose package directory is
   ``SPARK_HOME``): the same code, byte for byte. Any other Spark's zips stay where Spark put them.
 - ``pyspark.worker`` is imported before the daemon forks its workers, so each worker starts with it. It starts no

@@ -102,7 +102,7 @@ def test_the_embeddings_table_holds_each_vector_as_a_column(spark, embedded):
     assert all(r["dimensions"] == HIDDEN == len(r["embedding"]) for r in rows.values())
     body = bodies(spark, result)["emb-list"]["data"][2]["embedding"]
     assert rows[("emb-list", 2)]["embedding"] == pytest.approx(body, abs=1e-6)
-    # cosine similarity in SQL, as the README shows it: the same text twice is 1
+    # cosine similarity in SQL, as docs/tables.md shows it: the same text twice is 1
     table.createOrReplaceTempView("emb")
     cos = spark.sql("""
         SELECT aggregate(zip_with(a.embedding, b.embedding, (x, y) -> x * y), 0D, (s, v) -> s + v)

@@ -195,6 +195,9 @@ def test_batch_object(spark, run):
     # poison requests
     assert plan["num_partitions"] == plan["task_slots"] == 4 and plan["engines"] == 2  # two engines, two tasks each
     assert sum(plan["requests_per_partition"]) == result.completed + 3
+    # the run's settings beside it, whole (the console and the INFO log do not carry them)
+    settings = json.loads(Path(result.batch_file).with_name("settings.json").read_text())
+    assert (settings["batch_id"], settings["max_model_len"], settings["max_num_seqs"]) == ("b-e2e", 1024, 8)
 
 
 def test_non_empty_output_dir_is_refused(spark, run, tiny_model):

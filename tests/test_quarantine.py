@@ -49,7 +49,7 @@ def test_one_poison_request_is_set_aside_and_every_other_request_runs_once(n):
     attempts, plan, ran = attempts_until_done(requests, poison)
     assert plan.quarantined == sorted(poison)
     assert sorted(ran) == sorted(set(requests) - poison) and len(ran) == len(set(ran))
-    # the retry budget the README states: the first death, one per narrowing to a lone request, the finishing attempt
+    # the retry budget docs/reliability.md states: the first death, one per narrowing to a lone request, the finishing attempt
     assert attempts == task_attempts_needed(n) == 2 + max(1, math.ceil(math.log(n, FANOUT)))
 
 

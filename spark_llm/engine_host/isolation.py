@@ -153,7 +153,7 @@ def retry_budget_warning(conf: dict) -> Optional[str]:
     if attempts >= RECOMMENDED_TASK_ATTEMPTS:
         return None
     return (f"tasks get {attempts} attempt(s): a request that kills its Python worker or executor every time could "
-            f"fail the batch before it is set aside ({fix}; see README, 'Poison requests')")
+            f"fail the batch before it is set aside ({fix}; see docs/reliability.md, 'Poison requests')")
 
 
 def quarantine_message(deaths: int) -> str:

@@ -562,9 +562,8 @@ def imports_kept() -> Iterator[None]:
     """Import what the block imports with Python's cyclic garbage collector paused, then move every object made so
     far out of its reach (``gc.freeze``): modules, classes and functions live as long as the process, so the
     collections the import would trigger (each a walk over the growing heap) find nothing, and so do the ones vLLM
-    runs while it builds the engine. An engine's start on a CPU took 9-10 CPU-seconds this way against 12-15 (four
-    alternating pairs; importing vLLM alone 6.5-7.4 user seconds against 8.6-9.3), at the same peak memory. vLLM
-    freezes the heap again once the engine is up (``freeze_gc_heap``)."""
+    runs while it builds the engine: an engine's start on a CPU costs 9-10 CPU-seconds so, 12-15 without, at the
+    same peak memory. vLLM freezes the heap again once the engine is up (``freeze_gc_heap``)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
