@@ -315,7 +315,11 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
             committed_by(commits.popleft())
 
     def submit(wave: Wave) -> _WaveJob:
-        return _WaveJob(run, valid, plan, wave, replace(ictx, wave=wave.number), run.listener.before_wave())
+        epoch = run.listener.before_wave()
+        # the calls of a wave cancelled for a yield left in-flight markers that are no engine deaths: after a yield
+        # the partitions keep their journals apart (a real poison request is found again there)
+        journal = f"{ictx.journal}/yield-{epoch}" if epoch and ictx.journal else ictx.journal
+        return _WaveJob(run, valid, plan, wave, replace(ictx, wave=wave.number, journal=journal), epoch)
 
     def finished() -> _WaveJob:
         """The oldest wave in flight once it has ended, popped. When the run yielded its slots meanwhile (the

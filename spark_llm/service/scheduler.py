@@ -68,6 +68,7 @@ class _Running:
     #: set while the run may submit inference waves; cleared while it yields
     may_infer: threading.Event = field(default_factory=lambda: _set(threading.Event()))
     committed_since_yield: bool = True  #: a wave was committed since the last yield (or there was none)
+    halted: bool = False  #: the server is stopping: the run ends at its next check, the batch left to resume
 
     def request_stop(self, why: Status) -> None:
         if self.stop is None and not self.ending:
@@ -85,6 +86,8 @@ class _Progress(RunListener):
     def _check(self) -> None:
         if self.running.lost:
             raise BatchStopped("lease lost")
+        if self.running.halted:
+            raise BatchStopped("server stopping")
         if self.running.stop is None:
             batch = self.store.batch(self.running.batch_id)
             if batch is not None and batch.status is Status.CANCELLING:
@@ -166,6 +169,8 @@ class Scheduler:
         self._stopping.set()
         self._wake.set()
         for running in list(self._running.values()):
+            running.halted = True
+            running.may_infer.set()  # a run that yields ends now, at its check
             if self.spark is not None:
                 cancel_batch_jobs(self.spark, running.batch_id)
         deadline = time.time() + timeout
