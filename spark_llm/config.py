@@ -328,6 +328,10 @@ class BatchConfig(BaseModel):
         None, description="Comma-separated hosts (and their subdomains) that http(s) image URLs may be fetched "
         "from, as vLLM's setting of that name. Default none: a batch job does not fetch the URLs a file names "
         "from inside the cluster unless told to.", json_schema_extra=group("images"))
+    media_files: dict[str, str] = Field(
+        default_factory=dict, description="Uploaded images that Responses lines may name by input_image.file_id: "
+        "file id -> where it is stored (the batch service gives a batch its key's files of purpose vision).",
+        json_schema_extra=group("images"))
     max_image_bytes: int = Field(
         20_000_000, ge=1, description="Largest image a request may send, in bytes (encoded); larger ones are "
         "image_too_large rows.", json_schema_extra=group("images"))

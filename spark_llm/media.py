@@ -48,6 +48,8 @@ class MediaPolicy:
     max_image_bytes: int = 20_000_000
     max_image_pixels: int = 40_000_000
     media_fetch_timeout_seconds: float = 20.0
+    #: uploaded images by file id: (file id, where it is stored), read wherever they are
+    media_files: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, cfg: Any) -> "MediaPolicy":
@@ -56,7 +58,17 @@ class MediaPolicy:
         if not paths and cfg.input:
             paths = tuple(_parent(p) for p in str(cfg.input).split(",") if p.strip())
         return cls(_split(cfg.allowed_media_domains), paths, cfg.max_image_bytes, cfg.max_image_pixels,
-                   cfg.media_fetch_timeout_seconds)
+                   cfg.media_fetch_timeout_seconds, tuple(sorted(cfg.media_files.items())))
+
+    def stored_file(self, file_id: Any, where: str) -> str:
+        """Where the uploaded image ``file_id`` is stored; an id that is not one of :attr:`media_files` is the
+        request's ``invalid_image_url``."""
+        location = dict(self.media_files).get(file_id) if isinstance(file_id, str) else None
+        if location is None:
+            raise RequestError(ErrorCode.INVALID_IMAGE_URL,
+                               f"{where}: {str(file_id)[:80]!r} is not an image file of this batch's owner; upload "
+                               f"the image with purpose 'vision' and give its id")
+        return location
 
 
 def _split(value: Optional[str]) -> tuple[str, ...]:
@@ -133,9 +145,11 @@ def label(k: int, n: int, url: str) -> str:
 
 
 def read_image(url: str, policy: MediaPolicy, where: str = "image") -> bytes:
-    """The bytes of the image ``url`` names (checked by :func:`check_url` first): decoded from a ``data:`` URL,
-    read from storage, or fetched from an allowed host; at most ``max_image_bytes``."""
-    check_url(url, policy, where)
+    """The bytes of the image ``url`` names (checked by :func:`check_url` first, unless it is where an uploaded
+    image is stored): decoded from a ``data:`` URL, read from storage, or fetched from an allowed host; at most
+    ``max_image_bytes``."""
+    if not any(url == location for _, location in policy.media_files):
+        check_url(url, policy, where)
     if url[:5].lower() == "data:":
         payload = url[_DATA_URL.match(url).end():]  # type: ignore[union-attr]
         try:

@@ -92,6 +92,12 @@ def test_reading_and_measuring_every_bad_image(policy, tmp_path):
     assert code(lambda: read_image(str(images / "heavy.bin"), policy)) == "image_too_large"
     assert code(lambda: read_image(str(images / "missing.png"), policy)) == "invalid_image_url"
     assert decode(ok).size == (40, 30)
+    # where an uploaded image is stored is read as it is, outside the allowed paths
+    uploaded = tmp_path / "service" / "file-xyz"
+    uploaded.parent.mkdir()
+    uploaded.write_bytes(ok)
+    assert code(lambda: read_image(str(uploaded), policy)) == "invalid_image_url"
+    assert read_image(str(uploaded), replace(policy, media_files=(("file-xyz", str(uploaded)),))) == ok
     assert code(lambda: decode(png()[:-30])) == "image_parse_error"  # a truncated file fails where it is decoded
 
 
@@ -129,9 +135,15 @@ def test_image_parts_of_chat_and_responses_lines(tmp_path):
     assert error([{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]) == "invalid_image_url"
     assert error([{"type": "image_url", "image_url": {"url": url}}, {"type": "input_audio"}]) == \
         "unsupported_parameter"
-    file_id = {**responses, "body": {**responses["body"], "input": [{"role": "user", "content": [
+    # an uploaded image (the batch service's files of purpose vision) by its file id: the key's own only
+    stored = str(tmp_path / "files" / "file-abc")
+    owned = replace(vision, media=replace(vision.media, media_files=(("file-abc", stored),)))
+    by_id = {**responses, "body": {**responses["body"], "input": [{"role": "user", "content": [
         {"type": "input_image", "file_id": "file-abc"}]}]}}
-    assert validate_line(json.dumps(file_id).encode(), "f", 4, vision)["error_code"] == "unsupported_parameter"
+    row = validate_line(json.dumps(by_id).encode(), "f", 4, owned)
+    assert row["error_code"] is None and json.loads(row["options_json"])["images"] == [stored]
+    other = validate_line(json.dumps(by_id).encode(), "f", 5, vision)  # not among this owner's files
+    assert other["error_code"] == "invalid_image_url" and "purpose 'vision'" in other["error_message"]
 
 
 def test_the_request_column_keeps_data_urls_out_and_the_rest_as_it_was():

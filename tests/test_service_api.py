@@ -228,3 +228,28 @@ def test_metrics_report_the_queue_and_this_host_s_gpus(api, tmp_path, monkeypatc
     assert 'spark_llm_gpu_memory_used_bytes{gpu="1"}' not in values  # a board that does not say
     assert values["spark_llm_spark_ready"] == 0  # this server's scheduler never started
     assert values['spark_llm_batches{status="validating"}'] >= 1  # the batches the other tests created
+
+
+def test_images_uploaded_with_purpose_vision_are_the_owner_s_for_its_batches(api, tmp_path):
+    """A picture uploaded with purpose vision (openai-python's files.create) is what a batch's Responses lines name by
+    input_image.file_id: the scheduler gives each batch its own key's images and no other key's."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 24), "blue").save(buf, "PNG")
+    client = api["client"]
+    image = client.files.create(file=("cat.png", buf.getvalue()), purpose="vision")
+    assert (image.purpose, image.bytes, image.filename) == ("vision", len(buf.getvalue()), "cat.png")
+    assert client.files.content(image.id).content == buf.getvalue()
+    with pytest.raises(openai.BadRequestError, match="purpose 'vision' is an image") as refused:
+        client.files.create(file=("notes.png", b"not a picture at all"), purpose="vision")
+    assert refused.value.code == "invalid_file_format"
+    other = openai.OpenAI(base_url=client.base_url, api_key=LIMITED, max_retries=0)
+    theirs = other.files.create(file=("dog.png", buf.getvalue()), purpose="vision")
+    store, scheduler = api["store"], api["scheduler"]
+    owner = store.file(image.id).owner
+    images = scheduler.images_of(owner)
+    assert image.id in images and theirs.id not in images
+    assert Path(images[image.id]).read_bytes() == buf.getvalue()

@@ -155,7 +155,10 @@ def user_content(content: Any, where: str, text_types: tuple[str, ...], image_ty
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise invalid(f"{at} must be an object with a type")
         if part["type"] == image_type:
-            images.append(check_url(_image_url(part, at, image_type), ctx.media, at))
+            if image_type == "input_image" and part.get("file_id") is not None:  # an uploaded image (the service)
+                images.append(ctx.media.stored_file(part["file_id"], f"{at}.file_id"))
+            else:
+                images.append(check_url(_image_url(part, at, image_type), ctx.media, at))
             parts.append({"type": "image"})
         elif part["type"] in text_types:
             if not isinstance(part.get("text"), str):
@@ -173,9 +176,6 @@ def _image_url(part: dict, where: str, image_type: str) -> Any:
     if part.get("detail", "auto") not in ("auto", "low", "high"):
         raise invalid(f"{where}.detail must be auto, low or high")
     if image_type == "input_image":
-        if part.get("file_id") is not None:
-            raise unsupported(f"{where}.file_id: images are read from image_url (a data: URL, a path or an "
-                              f"allowed URL), not from uploaded files")
         return part.get("image_url")
     value = part.get("image_url")
     if isinstance(value, dict):

@@ -19,7 +19,7 @@ from ..endpoints import ENDPOINTS
 from . import monitor, ui, uploads
 from .access import Service, new_id, own_batch, own_file, owner, service_of
 from .audit import audit
-from .files import TextCheck, check_filename, receive_upload
+from .files import ImageCheck, TextCheck, check_filename, receive_upload
 from .lifecycle import CANCELLABLE, Status
 from .protocol import APIError, Batch, BatchCreate, ExpiresAfter, FileDeleted, FileObject, Page
 from .settings import NO_KEY_OWNER
@@ -85,20 +85,24 @@ async def create_file(request: Request, who: str = Depends(owner)) -> FileObject
     service = service_of(request)
     id = new_id("file-")
     location = service.files.location("files", id)
+    def check(fields: dict[str, str]) -> Any:  # the purpose comes before the file (openai-python sends it so)
+        if fields.get("purpose") == "vision":
+            return ImageCheck(service.scheduler.base.max_image_bytes)
+        return TextCheck(service.settings.max_file_bytes)
     upload = await receive_upload(request.stream(), request.headers.get("content-type", ""), service.files, location,
-                                  TextCheck(service.settings.max_file_bytes))
+                                  check)
     try:
         purpose = upload.fields.get("purpose")
-        if purpose != "batch":
-            raise APIError.invalid(f"This server takes files with purpose 'batch' (batch input files); got "
-                                   f"{purpose!r}.", param="purpose")
+        if purpose not in ("batch", "vision"):
+            raise APIError.invalid(f"This server takes files with purpose 'batch' (batch input files) or 'vision' "
+                                   f"(images a batch's requests name by file_id); got {purpose!r}.", param="purpose")
         filename = check_filename(upload.filename)
         expires_after = _expires_after(upload.fields)
     except APIError:
         service.files.delete(location)
         raise
     now = int(time.time())
-    record = FileRecord(id=id, owner=who, filename=filename, purpose="batch", bytes=upload.bytes, created_at=now,
+    record = FileRecord(id=id, owner=who, filename=filename, purpose=purpose, bytes=upload.bytes, created_at=now,
                         location=location, expires_at=now + expires_after.seconds if expires_after else None)
     service.store.add_file(record)
     audit("file.created", owner=who, file=id, bytes=upload.bytes)

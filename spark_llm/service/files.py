@@ -121,6 +121,41 @@ class TextCheck:
                                    param="file", code="empty_file")
 
 
+class ImageCheck:
+    """An image file's bytes as they arrive (purpose ``vision``: a picture a batch's requests name by
+    ``input_image.file_id``): at most ``limit`` of them, and a picture of a format requests may send, told from its
+    header (:data:`~spark_llm.media.FORMATS`). Whether it decodes is the request's to find out, as any image's."""
+
+    HEAD = 1 << 16  #: bytes kept for the header (a JPEG's size is in its first kilobytes, past any EXIF)
+
+    def __init__(self, limit: int):
+        self.limit, self.bytes, self.head = limit, 0, b""
+
+    def feed(self, data: bytes) -> None:
+        self.bytes += len(data)
+        if self.bytes > self.limit:
+            raise APIError.invalid(f"The image is larger than this server's limit of {self.limit} bytes.",
+                                   param="file", code="file_too_large")
+        if len(self.head) < self.HEAD:
+            self.head += data[:self.HEAD - len(self.head)]
+
+    def close(self) -> None:
+        import io
+
+        from PIL import Image
+
+        from ..media import FORMATS
+
+        try:
+            with Image.open(io.BytesIO(self.head)) as img:
+                fmt = img.format
+        except Exception:  # noqa: BLE001 - whatever PIL raises for what is not a picture it knows
+            fmt = None
+        if fmt not in FORMATS:
+            raise APIError.invalid(f"A file with purpose 'vision' is an image ({', '.join(FORMATS)}); this one is "
+                                   f"{fmt or 'not an image'}.", param="file", code="invalid_file_format")
+
+
 @dataclass
 class Upload:
     """A multipart upload as received: its form fields, and the file part's name and size (its bytes are at the
@@ -146,9 +181,10 @@ class PartCheck(TextCheck):
 
 
 async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage: FileStorage, location: str,
-                         check: TextCheck, field: str = "file") -> Upload:
+                         check: Any, field: str = "file") -> Upload:
     """Parse a ``multipart/form-data`` body as it arrives: the part named ``field`` is checked (``check``: a
-    :class:`TextCheck`, or a :class:`PartCheck` for a chunked upload's part) and written to ``location``, the other
+    :class:`TextCheck`, a :class:`PartCheck` for a chunked upload's part, or a function of the form fields before
+    the file part that gives the check, :class:`ImageCheck` for a ``vision`` file) and written to ``location``, the other
     parts are form fields (at most 64 KiB each). A refused upload leaves nothing stored; the body is still read to
     its end, so that the client reads the answer and not a reset."""
     from python_multipart.exceptions import MultipartParseError
@@ -181,6 +217,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
             state["name"], state["headers"] = name, []
             if name == field:
                 upload.filename = params.get(b"filename", b"").decode("utf-8", "replace")
+                state["check"] = check(upload.fields) if callable(check) else check
                 out.append(stack.enter_context(storage.writing(location)))
             else:
                 upload.fields[name] = ""
@@ -191,7 +228,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
             chunk = data[start:end]
             try:
                 if state["name"] == field:
-                    check.feed(chunk)
+                    state["check"].feed(chunk)
                     out[-1].write(chunk)
                 else:
                     value = upload.fields[state["name"]] + chunk.decode("utf-8", "replace")
@@ -204,7 +241,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
         def on_part_end() -> None:
             if state["name"] == field and not failure:
                 try:
-                    check.close()
+                    state["check"].close()
                 except APIError as exc:
                     failure.append(exc)
 
@@ -230,5 +267,5 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
             raise failure[0]  # the writer removes what it wrote
         if upload.filename is None:
             raise APIError.invalid(f"The body has no part named '{field}'.", param=field)
-    upload.bytes = check.bytes
+    upload.bytes = state["check"].bytes
     return upload

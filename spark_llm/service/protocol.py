@@ -51,7 +51,7 @@ class FileObject(BaseModel):
     bytes: int
     created_at: int
     filename: str
-    purpose: Literal["batch", "batch_output"]
+    purpose: Literal["batch", "batch_output", "vision"]
     status: Literal["uploaded", "processed", "error"] = "processed"
     expires_at: Optional[int] = None
     status_details: Optional[str] = None

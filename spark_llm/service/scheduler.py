@@ -377,8 +377,15 @@ class Scheduler:
             input=source.location, output_dir=self.files.location("batches", batch.id), batch_id=batch.id,
             tables_dir=self.files.location("tables"), resume=resume, overwrite=False,
             finish_unanswered=finish_unanswered, priority=batch.priority or "normal",
+            media_files=self.images_of(batch.owner),
             target_tokens_per_partition=min(self.base.target_tokens_per_partition,
                                             self.settings.max_partition_tokens)))
+
+    def images_of(self, owner: str) -> dict[str, str]:
+        """``owner``'s uploaded images (purpose vision), which its batches' Responses lines may name by file_id:
+        file id -> where it is stored. Another key's are not among them."""
+        images, _ = self.store.files(owner, "vision", 1_000_000, None, False)
+        return {f.id: f.location for f in images}
 
     def _run(self, batch: BatchRecord, running: _Running) -> None:
         from ..pipeline import run_batch
