@@ -67,3 +67,8 @@ class Postgres:
     @property
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/spark_llm"
+
+    def new_database(self, name: str) -> str:
+        """The URL of a new, empty database ``name`` on this server."""
+        self._run(str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", name)
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"

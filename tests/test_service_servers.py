@@ -32,6 +32,21 @@ def servers(tiny_model, tmp_path_factory, postgres):
             server.stop()
 
 
+def test_servers_starting_together_on_a_new_database_all_start(postgres):
+    """Each server makes the tables it needs when it starts; several at once on a new database each start (their
+    CREATE TABLEs collided in PostgreSQL's catalog, and a server died)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spark_llm.service.store import Store
+
+    url = postgres.new_database("fresh")
+    with ThreadPoolExecutor(6) as pool:
+        stores = list(pool.map(lambda _: Store(url), range(6)))
+    for store in stores:
+        store.ping()
+        store.close()
+
+
 def runs_by_server(servers: dict) -> dict[str, list[tuple[str, str]]]:
     """Each server's runs, as its logs record them: (batch id, run number)."""
     return {name: [run for log in sorted(s.root.glob("server-*.log"))

@@ -207,6 +207,11 @@ def _file_record(row: Any) -> FileRecord:
     return FileRecord(**values)
 
 
+#: The PostgreSQL advisory lock the servers take while they make or upgrade the tables (CREATE TABLE IF NOT EXISTS
+#: of two servers at once collides in PostgreSQL's catalog: one of them failed to start).
+SCHEMA_LOCK = 0x5350_4C4C  # "SPLL"
+
+
 class Store:
     """The records, in the database at ``url``; every call is its own transaction and safe from any thread."""
 
@@ -217,21 +222,23 @@ class Store:
         self.engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
-        metadata.create_all(self.engine)
-        self._add_missing_columns()
+        with self.engine.begin() as db:
+            if db.dialect.name == "postgresql":  # servers starting together on a new database: one makes the tables
+                db.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK})
+            metadata.create_all(db)
+            self._add_missing_columns(db)
 
-    def _add_missing_columns(self) -> None:
+    def _add_missing_columns(self, db: Any) -> None:
         """An older database gets the columns added since (:data:`_ADDED`), each nullable."""
-        inspector = sa.inspect(self.engine)
+        inspector = sa.inspect(db)
         for table_name, names in _ADDED.items():
             have = {c["name"] for c in inspector.get_columns(table_name)}
             table = metadata.tables[table_name]
-            with self.engine.begin() as db:
-                for name in names:
-                    if name not in have:
-                        column = table.c[name]
-                        db.execute(sa.text(f"ALTER TABLE {table_name} ADD COLUMN {name} "
-                                           f"{column.type.compile(self.engine.dialect)}"))
+            for name in names:
+                if name not in have:
+                    column = table.c[name]
+                    db.execute(sa.text(f"ALTER TABLE {table_name} ADD COLUMN {name} "
+                                       f"{column.type.compile(self.engine.dialect)}"))
 
     def close(self) -> None:
         self.engine.dispose()
