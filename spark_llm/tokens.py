@@ -21,8 +21,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 from .endpoints import BY_KIND
 from .endpoints.common import check_token_ids
 from .errors import ErrorCode, RequestError
-from .media import MediaPolicy, image_tokens, label, measure, read_image
 from .host import locked
+from .media import MediaPolicy, image_tokens, label, measure, read_image
 from .partition import prefix_key
 from .schemas import PREFIX_COL
 
