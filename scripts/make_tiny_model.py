@@ -17,12 +17,14 @@ pooling, normalisation), which vLLM's pooling runner loads as an embedding model
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 #: ChatML with Hermes-style tools (as Qwen's templates write them): the tools in a system block, earlier calls as
 #: <tool_call>{"name", "arguments"}</tool_call>, tool results as <tool_response> in a user turn.
@@ -123,9 +125,7 @@ def build_model(out: Path, *, seed: int = 0, vocab_size: int = 4096, hidden: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)  # e.g. .cache/ on a fresh clone
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))  # same filesystem: the rename is atomic
-    try:
+    with _model_dir(out) as tmp:
         tokenizer = build_tokenizer(tmp, seed, vocab_size)
         eos_ids = [tokenizer.convert_tokens_to_ids("<|end_of_text|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")]
         config = LlamaConfig(
@@ -148,6 +148,17 @@ def build_model(out: Path, *, seed: int = 0, vocab_size: int = 4096, hidden: int
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos_ids}, indent=2)
         )
+    return out
+
+
+@contextlib.contextmanager
+def _model_dir(out: Path) -> Iterator[Path]:
+    """A directory to build a model in, beside ``out`` (the same filesystem: the rename is atomic), that replaces
+    ``out`` with this version's marker when the block ends well, and is removed when it does not."""
+    out.parent.mkdir(parents=True, exist_ok=True)  # e.g. .cache/ on a fresh clone
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        yield tmp
         (tmp / "tiny_model_version").write_text(str(VERSION))
         if out.exists():
             shutil.rmtree(out)
@@ -156,7 +167,6 @@ def build_model(out: Path, *, seed: int = 0, vocab_size: int = 4096, hidden: int
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def build_lora(base: Path, out: Path, *, seed: int = 1, rank: int = 8) -> Path:
@@ -242,9 +252,7 @@ def build_vision(out: Path, *, seed: int = 0, vocab_size: int = 4096, max_len: i
                               LlavaForConditionalGeneration, LlavaProcessor)
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with _model_dir(out) as tmp:
         tok = build_tokenizer(tmp, seed, vocab_size)
         tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>"]})
         tok.chat_template = VISION_CHAT_TEMPLATE
@@ -266,19 +274,11 @@ def build_vision(out: Path, *, seed: int = 0, vocab_size: int = 4096, max_len: i
         side = {"height": VISION_IMAGE_SIZE, "width": VISION_IMAGE_SIZE}
         images = CLIPImageProcessor(size={"shortest_edge": VISION_IMAGE_SIZE}, crop_size=side)
         # num_additional_image_tokens: CLIP's class token, which the "default" strategy drops again
-        LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=VISION_PATCH, chat_template=VISION_CHAT_TEMPLATE,
-                       vision_feature_select_strategy="default", image_token="<image>",
-                       num_additional_image_tokens=1).save_pretrained(str(tmp))
+        LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=VISION_PATCH,
+                       chat_template=VISION_CHAT_TEMPLATE, vision_feature_select_strategy="default",
+                       image_token="<image>", num_additional_image_tokens=1).save_pretrained(str(tmp))
         (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": tok.bos_token_id,
                                                                 "eos_token_id": eos}, indent=2))
-        (tmp / "tiny_model_version").write_text(str(VERSION))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.chmod(0o755)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
