@@ -117,5 +117,5 @@ def test_every_command_line_shown_uses_flags_that_exist(page, monkeypatch):
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
 def test_links_between_the_pages_lead_somewhere(page):
-    for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+    for target in re.findall(r"\]\(([^)#\s:]+\.(?:md|png))(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
         assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
