@@ -225,7 +225,10 @@ class Serving:
 
     def stop(self) -> None:
         for proc in self.procs:
-            os.killpg(proc.pid, 15)
+            try:
+                os.killpg(proc.pid, 15)
+            except ProcessLookupError:  # it died already (its log says why)
+                pass
         for proc in self.procs:
             proc.wait(timeout=120)
 
@@ -272,9 +275,11 @@ def servers_bench(args, command: list[str], small: Path, work: Path) -> int:
             serving.wait_ready()
             per_minute, per_second = burst(serving.clients(), small, args.burst, args.clients, args.small)
         finally:
-            serving.stop()
-            if database:
-                database.stop()
+            try:
+                serving.stop()
+            finally:
+                if database:
+                    database.stop()
         figures[count] = per_minute
         print(f"{count} server(s): {args.burst} batches of {args.small} lines from {args.clients} clients: "
               f"batches_per_minute={per_minute:.1f} requests_per_second={per_second:.1f}")
