@@ -407,21 +407,15 @@ class EngineServer:
         """Results of ``requests`` from one blocking engine call; a request the engine rejects is found by bisection
         (:func:`~spark_llm.engine_host.isolation.generate_isolating`) and becomes its failure. For pooling engines and
         for the requests in flight when a step raised."""
-        from ..endpoints.engine_side import sampling_params
-
         results: list = [None] * len(requests)
         prompts, params, adapters, index = [], [], [], []
         for i, request in enumerate(requests):
-            try:
-                prompt = engine_prompt(request)
-                params.append(sampling_params(request[1], self.pooling))
-            except RequestError as exc:
-                results[i] = RequestFailure("image", exc.message, exc.code.value)
+            prepared = engine_inputs(request, self.pooling)
+            if isinstance(prepared, RequestFailure):
+                results[i] = prepared
                 continue
-            except Exception as exc:
-                results[i] = RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
-                continue
-            prompts.append(prompt)
+            prompts.append(prepared[0])
+            params.append(prepared[1])
             adapters.append(self.adapters.get(request[2].get("adapter")))
             index.append(i)
         # the adapter of each request rides with its sampling settings, so that bisection keeps them paired
@@ -455,16 +449,13 @@ class EngineServer:
     def _enqueue(self, stream: _Stream, chunk: list, flight: dict[str, _InFlight]) -> list:
         """Add a chunk of a stream's requests to the engine (``flight`` gets them); returns the failures of those it
         refused, each found by adding the chunk's requests one by one when the chunk as a whole was refused."""
-        from ..endpoints.engine_side import sampling_params
-
         failed, ready = [], []
         for index, request in chunk:
-            try:
-                ready.append((index, request, sampling_params(request[1]), engine_prompt(request)))
-            except RequestError as exc:
-                failed.append((index, RequestFailure("image", exc.message, exc.code.value)))
-            except Exception as exc:
-                failed.append((index, RequestFailure("invalid", f"{type(exc).__name__}: {exc}")))
+            prepared = engine_inputs(request)
+            if isinstance(prepared, RequestFailure):
+                failed.append((index, prepared))
+            else:
+                ready.append((index, request, prepared[1], prepared[0]))
 
         def add(items: list) -> None:
             loras = [self.adapters.get(r[2].get("adapter")) for _, r, _, _ in items]
@@ -521,6 +512,19 @@ class EngineServer:
             idle = time.monotonic() - self.last_used
             if self.idle_timeout and self.called and not self.streams and idle > self.idle_timeout:
                 self.inbox.put(("stop", f"idle for {idle:.0f}s", 0, "if idle"))
+
+
+def engine_inputs(request: tuple, pooling: bool = False) -> "tuple[dict, Any] | RequestFailure":
+    """vLLM's prompt (:func:`engine_prompt`) and SamplingParams (PoolingParams for a pooling engine) of a request,
+    or why it has none: a bad image (its code), or settings vLLM refuses (``invalid``)."""
+    from ..endpoints.engine_side import sampling_params
+
+    try:
+        return engine_prompt(request), sampling_params(request[1], pooling)
+    except RequestError as exc:
+        return RequestFailure("image", exc.message, exc.code.value)
+    except Exception as exc:
+        return RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
 
 
 def engine_prompt(request: tuple) -> dict:
