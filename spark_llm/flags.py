@@ -79,11 +79,24 @@ def flag(field: str) -> str:
     return extra.get("flag") or "--" + field.replace("_", "-")  # type: ignore[union-attr]
 
 
+#: What py4j logs, as an ERROR with a traceback on the root logger, when Ctrl-C or SIGTERM lands while the main
+#: thread is inside a call into the JVM: the interrupt is the command's own way to cancel (the run then says it was
+#: cancelled, once), not an error.
+PY4J_INTERRUPTED = "KeyboardInterrupt while sending command."
+
+
+def _not_an_interrupted_call(record: logging.LogRecord) -> bool:
+    return record.msg != PY4J_INTERRUPTED
+
+
 def configure_logging(level: str) -> None:
     """The command's console: spark_llm's own lines at ``level`` (--log-level), other libraries' (py4j, Spark's
-    Python side) at WARNING and above only. For the command's process alone (a notebook configures its own)."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    Python side) at WARNING and above only, without py4j's report of a call the command interrupted itself. For
+    the command's process alone (a notebook configures its own)."""
+    console = logging.StreamHandler(sys.stderr)
+    console.addFilter(_not_an_interrupted_call)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=[console])
     logging.getLogger("spark_llm").setLevel(level.upper())
 
 

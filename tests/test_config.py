@@ -119,6 +119,28 @@ def test_cli_reports_missing_settings_without_traceback():
     assert "Traceback" not in proc.stderr
 
 
+def test_the_console_drops_py4j_s_report_of_a_call_the_command_interrupted_and_nothing_else():
+    """Ctrl-C or SIGTERM landing inside a call into the JVM: py4j's own handler logs it as an ERROR with a
+    traceback; the command cancels that way on purpose (and says so once), so its console leaves that record out."""
+    code = ("import logging, signal, socket\n"
+            "from py4j.java_gateway import GatewayClient, GatewayParameters\n"
+            "from spark_llm.flags import configure_logging\n"
+            "configure_logging('INFO')\n"
+            "jvm = socket.create_server(('127.0.0.1', 0))  # accepts, never answers: the call waits in py4j\n"
+            "def interrupt(signum, frame):\n    raise KeyboardInterrupt\n"
+            "signal.signal(signal.SIGALRM, interrupt)\n"
+            "signal.setitimer(signal.ITIMER_REAL, 0.3)\n"
+            "try:\n"
+            "    GatewayClient(gateway_parameters=GatewayParameters(port=jvm.getsockname()[1])).send_command('c\\n')\n"
+            "except BaseException as exc:\n"
+            "    print(type(exc).__name__)\n"
+            "logging.getLogger('py4j').error('a real py4j error')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip(), proc.stderr  # py4j's handler ran (and ended the call)
+    assert "KeyboardInterrupt while sending command" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "ERROR py4j: a real py4j error" in proc.stderr
+
+
 def test_redacted_settings_mask_secrets_only():
     cfg = BatchConfig(model="/m", tokenizer="/t", engine_kwargs={"hf_token": "hf_abc", "api-key": "k",
                                                                  "swap_space": 4})
