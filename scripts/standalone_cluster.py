@@ -159,15 +159,32 @@ def main(argv=None) -> int:
             code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1500).returncode
     finally:
         cluster.stop()
+        engines_ended(engine_dirs)
     results = out / "results"
     batch = json.loads((results / "batch.json").read_text()) if (results / "batch.json").exists() else {}
     lines = {kind: [json.loads(line)["custom_id"] for line in (results / f"{kind}.jsonl").read_text().splitlines()]
              if (results / f"{kind}.jsonl").exists() else [] for kind in ("output", "errors")}
     print(json.dumps({"exit_code": code, "request_counts": batch.get("request_counts"), "status": batch.get("status"),
+                      "finalizing_at": batch.get("finalizing_at"),
                       "output_ids": lines["output"], "error_ids": lines["errors"],
                       "node_killed": (out / "node-killed").exists(),
                       "events": {str(d.parent.name): read_events(d) for d in engine_dirs}}))
     return 0
+
+
+def engines_ended(engine_dirs: list[Path], timeout: float = 60.0) -> bool:
+    """Wait until every engine that started has recorded its stop: each watches its executor (once a second), and
+    the application's end takes the surviving executors too. False if one is still running after ``timeout``."""
+    from spark_llm.engine_host import read_events
+
+    deadline = time.monotonic() + timeout
+    while True:
+        events = [e for d in engine_dirs for e in read_events(d)]
+        if {e["pid"] for e in events if e["event"] == "start"} <= {e["pid"] for e in events if e["event"] == "stop"}:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,13 @@ def test_each_worker_s_gpus_each_got_one_engine_and_never_two_at_once(cluster):
             assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), (worker, device)
 
 
-def test_the_killed_worker_s_engines_ended_with_it(cluster):
-    """Its engines watch their executor: with it gone they stop (the GPUs are not held for a dead application)."""
-    ended = [w for w, events in cluster["events"].items()
-             if any(e["event"] == "stop" and e["reason"].startswith("executor gone") for e in events)]
-    assert len(ended) == 1, cluster["events"]
+def test_every_engine_ended_with_its_executor_the_killed_worker_s_while_the_batch_ran(cluster):
+    """Engines watch their executor: the killed worker's stopped mid-batch (the GPUs are not held for a dead
+    executor), the other worker's when the application ended and took its executor (script: engines_ended)."""
+    stops = {w: [e for e in events if e["event"] == "stop"] for w, events in cluster["events"].items()}
+    for worker, events in cluster["events"].items():
+        started = {e["pid"] for e in events if e["event"] == "start"}
+        assert {e["pid"] for e in stops[worker]} == started, (worker, events)
+        assert all(e["reason"].startswith("executor gone") for e in stops[worker]), (worker, events)
+    during = [w for w, ended in stops.items() if any(e["time"] < cluster["finalizing_at"] for e in ended)]
+    assert len(during) == 1, (cluster["finalizing_at"], stops)
