@@ -159,13 +159,13 @@ def main(argv=None) -> int:
             code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1500).returncode
     finally:
         cluster.stop()
-        engines_ended(engine_dirs)
+    ended = engines_ended(engine_dirs)
     results = out / "results"
     batch = json.loads((results / "batch.json").read_text()) if (results / "batch.json").exists() else {}
     lines = {kind: [json.loads(line)["custom_id"] for line in (results / f"{kind}.jsonl").read_text().splitlines()]
              if (results / f"{kind}.jsonl").exists() else [] for kind in ("output", "errors")}
     print(json.dumps({"exit_code": code, "request_counts": batch.get("request_counts"), "status": batch.get("status"),
-                      "finalizing_at": batch.get("finalizing_at"),
+                      "finalizing_at": batch.get("finalizing_at"), "engines_ended": ended,
                       "output_ids": lines["output"], "error_ids": lines["errors"],
                       "node_killed": (out / "node-killed").exists(),
                       "events": {str(d.parent.name): read_events(d) for d in engine_dirs}}))
