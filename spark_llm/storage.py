@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -350,8 +351,10 @@ def conform(df: DataFrame, columns: dict) -> DataFrame:
                       for name, (dtype, comment) in columns.items()])
 
 
-#: What Delta says when two writers create one table at once (the second commit of version 0).
-CONCURRENT_CREATE = ("DELTA_PROTOCOL_CHANGED", "DELTA_METADATA_CHANGED", "ProtocolChangedException")
+#: What Delta says when two writers create one table at once: the second commit of version 0, or a creation that
+#: finds the other's version 0 being written (its _delta_log already there).
+CONCURRENT_CREATE = ("DELTA_PROTOCOL_CHANGED", "DELTA_METADATA_CHANGED", "ProtocolChangedException",
+                     "DELTA_CREATE_TABLE_WITH_NON_EMPTY_LOCATION")
 
 
 def ensure_table(spark: SparkSession, table: str, columns: dict, stats_columns: Sequence[str] = ()) -> None:
@@ -372,9 +375,26 @@ def ensure_table(spark: SparkSession, table: str, columns: dict, stats_columns: 
                   f"PARTITIONED BY (batch_id){properties}")
     except Exception as exc:
         # another writer made it at the same moment (two servers of the batch service starting their first batches
-        # on shared tables): Delta refuses the second creation of version 0; the table is there, as wanted
-        if not any(code in str(exc) for code in CONCURRENT_CREATE) or not table_exists(spark, table):
+        # on shared tables): the table is there, or about to be, as wanted
+        if not any(code in str(exc) for code in CONCURRENT_CREATE) or not _made_by_another(spark, table):
             raise
+
+
+def _made_by_another(spark: SparkSession, table: str, seconds: float = 30.0) -> bool:
+    """Whether ``table``, which this process failed to create, is readable within ``seconds``: another writer made
+    it. Read rather than :func:`table_exists`: the failed creation leaves this JVM's cached Delta log without the
+    table, and ``isDeltaTable`` goes on answering from it; a read updates it. Not waited for: a path with no
+    ``_delta_log`` (a directory of other files, which no writer is making a table of)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            read_table(spark, table).schema
+            return True
+        except Exception:
+            if time.monotonic() > deadline or (
+                    not is_table_name(table) and not is_dir(spark, table.rstrip("/") + "/_delta_log")):
+                return False
+            time.sleep(0.5)
 
 
 def column_ddl(columns: dict) -> str:

@@ -47,6 +47,61 @@ def test_servers_starting_together_on_a_new_database_all_start(postgres):
         store.close()
 
 
+#: The other server's side of the race below: its own Spark application creating the same tables at the times it
+#: is given (a line "ready" once its session is up; then one line per table: ok, or the error).
+OTHER_CREATOR = """
+import sys, time
+from spark_llm import storage
+from spark_llm.schemas import OUTPUTS_COLUMNS, OUTPUTS_STATS
+from spark_llm.session import get_session
+spark = get_session("local[1]", {"spark.ui.enabled": "false"})
+print("ready", flush=True)
+root, start, n, gap = sys.stdin.readline().split()
+for i in range(int(n)):
+    time.sleep(max(0.0, float(start) + i * float(gap) - time.time()))
+    try:
+        storage.ensure_table(spark, f"{root}/t{i}", OUTPUTS_COLUMNS, OUTPUTS_STATS)
+        print("ok", flush=True)
+    except Exception as exc:
+        print(str(exc).splitlines()[0][:200], flush=True)
+"""
+
+
+def test_servers_creating_the_shared_tables_at_the_same_moment_both_go_on(spark, tmp_path):
+    """Two servers' first batches create the shared result tables at once (two Spark applications): one of the
+    two creations of version 0 loses (Delta: the protocol changed, or the location is not empty) and its run
+    failed and ran again; the loser now finds the table the other made."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from spark_llm import storage
+    from spark_llm.schemas import OUTPUTS_COLUMNS, OUTPUTS_STATS
+
+    tables, gap = 6, 2.0
+    other = subprocess.Popen([sys.executable, "-c", OTHER_CREATOR], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        start = time.time() + 1.0
+        other.stdin.write(f"{tmp_path} {start} {tables} {gap}\n")
+        other.stdin.flush()
+        ours = []
+        for i in range(tables):
+            time.sleep(max(0.0, start + i * gap - time.time()))
+            try:
+                storage.ensure_table(spark, str(tmp_path / f"t{i}"), OUTPUTS_COLUMNS, OUTPUTS_STATS)
+                ours.append("ok")
+            except Exception as exc:
+                ours.append(str(exc).splitlines()[0][:200])
+        theirs = other.communicate(timeout=120)[0].splitlines()
+    finally:
+        other.kill()
+    assert ours == ["ok"] * tables and theirs == ["ok"] * tables, (ours, theirs)
+    assert all(storage.read_table(spark, str(tmp_path / f"t{i}")).columns == list(OUTPUTS_COLUMNS)
+               for i in range(tables))
+
+
 def runs_by_server(servers: dict) -> dict[str, list[tuple[str, str]]]:
     """Each server's runs, as its logs record them: (batch id, run number)."""
     return {name: [run for log in sorted(s.root.glob("server-*.log"))
