@@ -335,10 +335,12 @@ def test_a_server_killed_mid_batch_resumes_it_exactly_once(server, tmp_path, spa
 
 def test_a_high_priority_batch_runs_while_a_large_one_yields_and_the_large_one_ends_exactly_once(server, tmp_path):
     """The running batch's inference waves are cancelled for the urgent one and submitted again after it."""
+    lines = 64
     client = server.client()
-    # waves whose inference outlasts a commit, so that one is in flight when the urgent batch comes
+    # inference well beyond the first commit (about 20 s of it against seconds), so that waves are in flight when
+    # the urgent batch comes: with half of it, a slow first commit once let every wave's inference end before
     slow = write_jsonl(tmp_path / "slow.jsonl", [chat_line(f"slow-{i}", f"Count to {i}.", max_tokens=250,
-                                                           min_tokens=250) for i in range(32)])
+                                                           min_tokens=250) for i in range(lines)])
     large = client.batches.create(input_file_id=upload(client, slow).id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
     wait_for(client, large.id, until=lambda b: b.request_counts.completed > 0 or b.status in FINAL)
@@ -351,7 +353,7 @@ def test_a_high_priority_batch_runs_while_a_large_one_yields_and_the_large_one_e
     large_done = wait_for(client, large.id)
     assert large_done.status == "completed", server.log()
     out, err = one_row_each(server, large_done)
-    assert (len(out), len(err)) == (32, 0)
+    assert (len(out), len(err)) == (lines, 0)
     log = "".join(p.read_text(errors="replace") for p in server.root.glob("server-*.log"))
     assert f"batch {large.id}: yields its task slots to the high-priority batch {urgent.id}" in log
     assert "yielded its task slots to a more urgent batch; it runs again" in log
