@@ -414,8 +414,9 @@ class EngineServer:
             if isinstance(prepared, RequestFailure):
                 results[i] = prepared
                 continue
-            prompts.append(prepared[0])
-            params.append(prepared[1])
+            prompt, sampling = prepared
+            prompts.append(prompt)
+            params.append(sampling)
             adapters.append(self.adapters.get(request[2].get("adapter")))
             index.append(i)
         # the adapter of each request rides with its sampling settings, so that bisection keeps them paired
@@ -455,7 +456,8 @@ class EngineServer:
             if isinstance(prepared, RequestFailure):
                 failed.append((index, prepared))
             else:
-                ready.append((index, request, prepared[1], prepared[0]))
+                prompt, params = prepared
+                ready.append((index, request, params, prompt))
 
         def add(items: list) -> None:
             loras = [self.adapters.get(r[2].get("adapter")) for _, r, _, _ in items]
