@@ -16,6 +16,13 @@ The value is one or more faults separated by ``;``:
 - ``kill_node_once:<marker path>:<custom_id>`` (executors of a standalone cluster): as ``kill_executor_once``, and
   the executor's parent, its worker daemon, first: a node lost mid-wave.
 - ``exit_after_wave:<N>`` (driver): the driver exits hard right after committing wave N.
+- ``hold_inference_until:<release path>:<custom_id>`` (executors): an engine call holding that request waits, before
+  it starts, until the file ``<release path>`` exists (10 minutes at most), after creating ``<release path>.held``: a
+  wave in flight, for as long as a test needs one.
+- ``hold_commit_until:<release path>:<custom_id>`` (driver): the commit of a wave holding that request waits likewise,
+  its inference ended: while the batch's last wave commits, none of its waves is in flight.
+
+A test waits for ``.held`` (a state it made), never for a time that should be long enough.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Collection, Iterator, Optional
+import time
+from typing import Any, Collection, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "SPARK_LLM_FAULT_INJECTION"
+#: how long a hold waits for its release at the most, so that a test that never releases does not hang its run
+HOLD_SECONDS = 600.0
 
 
 def _faults(kind: str) -> Iterator[list[str]]:
@@ -67,8 +77,11 @@ def maybe_kill_worker(custom_ids: Collection[str]) -> None:
 
 
 def before_engine_call(custom_ids: Collection[str]) -> None:
-    """``crash_on_custom_id`` / ``kill_executor_once``: called by an inference task as an engine call starts (after
-    its in-flight marker is written)."""
+    """``crash_on_custom_id`` / ``kill_executor_once`` / ``hold_inference_until``: called by an inference task as an
+    engine call starts (after its in-flight marker is written)."""
+    for args in _faults("hold_inference_until"):
+        if len(args) > 1 and args[1] in custom_ids:
+            _hold(args[0], f"the engine call holding {args[1]!r}")
     for args in _faults("crash_on_custom_id"):
         if args[0] in custom_ids:
             log.error("fault injection: Python worker %d dies with %r in flight", os.getpid(), args[0])
@@ -111,3 +124,25 @@ def maybe_exit_after_wave(number: int) -> None:
             log.error("fault injection: driver exits after wave %d", number)
             logging.shutdown()
             os._exit(137)
+
+
+def before_commit(staged: Any) -> None:
+    """``hold_commit_until``: called by the driver before it commits a wave, with the wave's staged results (a
+    DataFrame); looked into only when such a fault is set."""
+    holds = {args[1]: args[0] for args in _faults("hold_commit_until") if len(args) > 1}
+    if not holds:
+        return
+    from pyspark.sql import functions as F
+
+    for row in staged.where(F.col("custom_id").isin(list(holds))).select("custom_id").distinct().collect():
+        _hold(holds[row["custom_id"]], f"the commit of the wave holding {row['custom_id']!r}")
+
+
+def _hold(release: str, what: str) -> None:
+    """Wait until the file ``release`` exists (:data:`HOLD_SECONDS` at most), after creating ``release.held``."""
+    with open(f"{release}.held", "a"):
+        pass
+    log.warning("fault injection: %s waits until %s exists", what, release)
+    deadline = time.monotonic() + HOLD_SECONDS
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.05)

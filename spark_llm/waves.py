@@ -416,6 +416,7 @@ def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> Commi
     wave = job.wave
     run.describe(f"commit wave {wave.label}")
     staged = run.spark.read.parquet(job.staging)
+    faults.before_commit(staged)
     planned = sum(plan.requests_per_partition[wave.first:wave.first + wave.count])
     got, records = _staged_outcomes(staged)
     if got.rows != planned:  # the conservation check: one result per planned request

@@ -124,6 +124,18 @@ def write_jsonl(path: Path, lines: list) -> Path:
     return path
 
 
+def eventually(condition, what: str, seconds: float = 120.0, every: float = 0.05) -> None:
+    """Poll ``condition`` until it holds; an AssertionError naming ``what`` if it has not within ``seconds`` (a
+    bound on a state the test waits for, never a guess that it has happened by then)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds:.0f} s: {what}")
+        time.sleep(every)
+
+
 def chat_line(custom_id: str, content: str = "Hello there", **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], **body}}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import MODEL_NAME, chat_line, engine_settings, write_jsonl
+from conftest import MODEL_NAME, chat_line, engine_settings, eventually, write_jsonl
 
 openai = pytest.importorskip("openai")
 
@@ -31,6 +31,9 @@ MAX_FILE_BYTES = 300_000
 #: that a batch of a few hundred lines runs in several waves (a cancel or a kill lands between two of them).
 SERVER_SETTINGS = dict(num_task_slots=1, target_tokens_per_partition=1500, wave_partitions=1)
 FINAL = ("completed", "failed", "expired", "cancelled")
+#: Requests the server holds (spark_llm.faults) until the test lets them go: before their engine call (a wave in
+#: flight), and before the commit of their wave (no wave in flight)
+HELD_IN_FLIGHT, HELD_AT_COMMIT = "held-in-flight", "held-at-commit"
 
 
 def _free_port() -> int:
@@ -53,6 +56,15 @@ class Server:
         self.groups: list[int] = []
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self.faults = ""  #: SPARK_LLM_FAULT_INJECTION of the server (and so of its executors)
+        #: custom_id -> (the file that says the server holds it, the file that lets it go): see :meth:`hold`
+        self.holds: dict[str, tuple[Path, Path]] = {}
+
+    def hold(self, custom_id: str, where: str) -> None:
+        """Hold the request ``custom_id`` at ``where`` (``inference`` or ``commit``) from the next start on."""
+        release = self.root / f"release-{custom_id}"
+        self.faults = ";".join(filter(None, [self.faults, f"hold_{where}_until:{release}:{custom_id}"]))
+        self.holds[custom_id] = (release.with_name(release.name + ".held"), release)
 
     def start(self) -> None:
         from spark_llm.engine_host import ENGINE_DIR_ENV
@@ -61,6 +73,8 @@ class Server:
         self.port = _free_port()
         env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
         env[ENGINE_DIR_ENV] = str(self.root / "engines")
+        if self.faults:
+            env[FAULT_ENV] = self.faults
         log = open(self.root / f"server-{len(self.groups)}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "spark_llm.cli", "serve", "--config", str(self.config), "--master", "local[2]",
@@ -103,6 +117,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("service"), tiny_model)
+    s.hold(HELD_IN_FLIGHT, "inference")
+    s.hold(HELD_AT_COMMIT, "commit")
     s.start()
     yield s
     s.stop()
@@ -333,30 +349,45 @@ def test_a_server_killed_mid_batch_resumes_it_exactly_once(server, tmp_path, spa
     assert ids.count() == 240 and ids.where("count > 1").count() == 0
 
 
-def test_a_high_priority_batch_runs_while_a_large_one_yields_and_the_large_one_ends_exactly_once(server, tmp_path):
-    """The running batch's inference waves are cancelled for the urgent one and submitted again after it."""
-    lines = 64
+def _yield_to_urgent(server, tmp_path, held_id: str):
+    """A large batch held at ``held_id`` (the server's hold) while a high-priority batch comes and completes; then
+    let go. The large batch's id, the urgent one's, and the large batch completed."""
     client = server.client()
-    # inference well beyond the first commit (about 20 s of it against seconds), so that waves are in flight when
-    # the urgent batch comes: with half of it, a slow first commit once let every wave's inference end before
-    slow = write_jsonl(tmp_path / "slow.jsonl", [chat_line(f"slow-{i}", f"Count to {i}.", max_tokens=250,
-                                                           min_tokens=250) for i in range(lines)])
-    large = client.batches.create(input_file_id=upload(client, slow).id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
-    wait_for(client, large.id, until=lambda b: b.request_counts.completed > 0 or b.status in FINAL)
+    held, release = server.holds[held_id]
+    lines = [chat_line(held_id, max_tokens=4)] + [chat_line(f"{held_id}-{i}", f"Count to {i}.", max_tokens=4)
+                                                  for i in range(5)]
+    large = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "large.jsonl", lines)).id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    eventually(held.exists, f"the server holds {held_id}")
     small = write_jsonl(tmp_path / "urgent.jsonl", [chat_line(f"u{i}", "Say hi.", max_tokens=4) for i in range(3)])
     urgent = client.batches.create(input_file_id=upload(client, small).id, endpoint="/v1/chat/completions",
                                    completion_window="24h", metadata={"priority": "high"})
     done = wait_for(client, urgent.id)
-    assert done.status == "completed" and done.request_counts.completed == 3
-    assert client.batches.retrieve(large.id).status == "in_progress"  # it was not waited for
+    assert done.status == "completed" and done.request_counts.completed == 3, server.log()
+    assert client.batches.retrieve(large.id).status == "in_progress"  # still held: the urgent batch did not wait
+    release.touch()
     large_done = wait_for(client, large.id)
     assert large_done.status == "completed", server.log()
     out, err = one_row_each(server, large_done)
-    assert (len(out), len(err)) == (lines, 0)
+    assert (len(out), len(err)) == (len(lines), 0)
     log = "".join(p.read_text(errors="replace") for p in server.root.glob("server-*.log"))
     assert f"batch {large.id}: yields its task slots to the high-priority batch {urgent.id}" in log
-    assert "yielded its task slots to a more urgent batch; it runs again" in log
+    return log, large.id
+
+
+def test_a_high_priority_batch_takes_the_slots_of_a_wave_in_flight_which_runs_again_after_it(server, tmp_path):
+    """The large batch's wave is in flight when the urgent batch comes (held before its engine call): it is
+    cancelled, the urgent batch completes, and the wave is submitted again, every line answered once."""
+    log, large = _yield_to_urgent(server, tmp_path, HELD_IN_FLIGHT)
+    assert f"batch {large}: wave 1/1 yielded its task slots to a more urgent batch; it runs again" in log
+
+
+def test_a_high_priority_batch_that_comes_while_no_wave_is_in_flight_cancels_nothing(server, tmp_path):
+    """The large batch's only wave is committing when the urgent batch comes (held before its commit): the batch
+    yields, nothing of it is in flight to cancel, and it completes once."""
+    log, large = _yield_to_urgent(server, tmp_path, HELD_AT_COMMIT)
+    assert f"batch {large}: wave 1/1 committed" in log  # one wave: none was in flight
+    assert f"batch {large}: wave 1/1 yielded" not in log
 
 
 # ---- watching it -------------------------------------------------------------------------------------------------------
