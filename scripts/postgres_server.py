@@ -21,6 +21,16 @@ def binaries() -> Optional[Path]:
     return Path(found[-1]).parent if found else None
 
 
+#: starts on a new free port after the one picked was taken meanwhile
+START_ATTEMPTS = 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Postgres:
     """A PostgreSQL cluster in a directory of its own (made under the system's tmp, which the ``postgres`` user can
     reach: a test's own tmp directory is private to root), removed by :meth:`stop`."""
@@ -31,9 +41,7 @@ class Postgres:
             raise RuntimeError("no PostgreSQL server installed: run scripts/setup.sh (apt-get install postgresql)")
         self.directory = Path(tempfile.mkdtemp(prefix="spark_llm-postgres-"))
         self.data, self.sockets = self.directory / "data", self.directory / "sock"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = _free_port()
         self.user = "postgres" if os.getuid() == 0 else None
 
     def _run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -47,7 +55,15 @@ class Postgres:
             shutil.chown(self.sockets, self.user)
             os.chmod(self.directory, 0o755)
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-        self.resume()
+        for attempt in range(START_ATTEMPTS):  # PostgreSQL takes no port 0: a free port can be taken before it binds
+            try:
+                self.resume()
+                break
+            except subprocess.CalledProcessError:
+                log = (self.directory / "postgres.log").read_text(errors="replace")
+                if "could not bind" not in log or attempt == START_ATTEMPTS - 1:
+                    raise RuntimeError(f"PostgreSQL did not start:\n{log[-3000:]}") from None
+                self.port = _free_port()
         self._run(str(self.bin / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "spark_llm")
         return self
 

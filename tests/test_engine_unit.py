@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import eventually
 from spark_llm.config import BatchConfig, ConfigError
 from spark_llm.engine_host import EngineSpec, TaskPlace
 from spark_llm.engine_host.isolation import generate_isolating
@@ -62,6 +63,8 @@ def test_without_gpus_tasks_take_every_engine_s_first_feed_before_a_second_one(t
 
 
 def test_a_task_alone_on_its_engine_waits_for_the_other_feeder_and_keeps_new_ones_out(tmp_path, monkeypatch):
+    """The alone phase lasts until the test ends it, so what is asserted inside it does not depend on timing; the
+    waits for what must not happen are short sleeps that a correct product passes however long they are."""
     import threading
     import time
 
@@ -70,7 +73,7 @@ def test_a_task_alone_on_its_engine_waits_for_the_other_feeder_and_keeps_new_one
     from spark_llm.engine_host.client import hold_feed
 
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
-    events = []
+    events, done_alone = [], threading.Event()
     with hold_feed(TaskPlace(local_engines=1, feeds=2)) as isolating:
         other = hold_feed(TaskPlace(local_engines=1, feeds=2))
         other.__enter__()
@@ -78,21 +81,21 @@ def test_a_task_alone_on_its_engine_waits_for_the_other_feeder_and_keeps_new_one
         def go_alone() -> None:
             with isolating.alone():
                 events.append("alone")
-                time.sleep(0.3)
+                done_alone.wait(30)
             events.append("shared again")
         t = threading.Thread(target=go_alone)
         t.start()
         time.sleep(0.3)
         assert events == []  # the other feeder's partition is still in the engine
         other.__exit__(None, None, None)
-        time.sleep(0.1)
-        assert events == ["alone"]
+        eventually(lambda: events == ["alone"], "the task is alone on its engine once the other feeder left")
         late = threading.Thread(target=lambda: events.append(hold_feed(TaskPlace(local_engines=1, feeds=2)).__enter__().index))
         late.start()
-        time.sleep(0.1)
+        time.sleep(0.3)
         assert events == ["alone"]  # no new feeder while a task is alone on the engine
+        done_alone.set()
         t.join()
-        late.join(5)
+        late.join(30)
         assert events[:2] == ["alone", "shared again"] and events[2] in (0, 1)
 
 
@@ -467,12 +470,9 @@ def streams_at_once(serving, calls):
     return threads, results, errors
 
 
-def until(condition, seconds=10.0):
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.005)
+def until(condition, seconds=60.0):
+    """Wait for ``condition`` (:func:`conftest.eventually`): the bound is for a hung test, not for the timing."""
+    eventually(condition, "the state the test waits for", seconds, every=0.005)
 
 
 def wait_for_inbox(server, items):

@@ -109,12 +109,12 @@ def test_engine_that_cannot_start_stops_the_job_with_one_clear_message(spark, tm
     key = EngineSpec.from_config(resolve(BatchConfig(**settings))).key
     tries = lambda: len([e for e in read_events(engine_dir) if e["key"] == key and e["event"] == "start"])  # noqa
     first = tries()
-    assert 1 <= first <= 2
-    # the next run tries again (the cause may be fixed by then)
+    assert 1 <= first <= 2  # which of the two slots the tasks reached is Spark's choice
+    # the next run tries again (the cause may be fixed by then), once per slot its tasks reach
     with pytest.raises(EngineStartError):
         run_batch(spark, BatchConfig(input=str(tmp_path / "in.jsonl"), output_dir=str(tmp_path / "again"),
                                      **settings))
-    assert first < tries() <= 2 * first
+    assert 1 <= tries() - first <= 2
 
 
 def test_a_missing_lora_adapter_stops_the_batch_before_any_work(spark, tmp_path, tiny_model):

@@ -156,7 +156,7 @@ def test_the_idle_clock_starts_with_the_first_call(monkeypatch):
     time.sleep(3.5)
     assert serving.stopped == []
     serving.client().stream([request(10)], lambda i, r: None)
-    until(lambda: serving.stopped, seconds=6)
+    until(lambda: serving.stopped)
     assert serving.stopped and serving.stopped[0][0].startswith("idle for")
 
 

@@ -10,7 +10,6 @@ import re
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,12 +33,6 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 #: Requests the server holds (spark_llm.faults) until the test lets them go: before their engine call (a wave in
 #: flight), and before the commit of their wave (no wave in flight)
 HELD_IN_FLIGHT, HELD_AT_COMMIT = "held-in-flight", "held-at-commit"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -67,29 +60,35 @@ class Server:
         self.holds[custom_id] = (release.with_name(release.name + ".held"), release)
 
     def start(self) -> None:
+        """Start the server on a port it picks itself (``--port 0``, read from the line it prints: a port chosen
+        here could be taken before the server binds it), and wait until it answers."""
         from spark_llm.engine_host import ENGINE_DIR_ENV
         from spark_llm.faults import FAULT_ENV
 
-        self.port = _free_port()
         env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
         env[ENGINE_DIR_ENV] = str(self.root / "engines")
         if self.faults:
             env[FAULT_ENV] = self.faults
-        log = open(self.root / f"server-{len(self.groups)}.log", "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spark_llm.cli", "serve", "--config", str(self.config), "--master", "local[2]",
-             "--storage", str(self.storage), "--port", str(self.port), "--api-keys", str(self.keys),
-             "--completion-windows", "24h,4s", "--max-file-bytes", str(MAX_FILE_BYTES), *self.extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True)
+        path = self.root / f"server-{len(self.groups)}.log"
+        with open(path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "spark_llm.cli", "serve", "--config", str(self.config), "--master",
+                 "local[2]", "--storage", str(self.storage), "--port", "0", "--api-keys", str(self.keys),
+                 "--completion-windows", "24h,4s", "--max-file-bytes", str(MAX_FILE_BYTES), *self.extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True)
         self.groups.append(self.proc.pid)
         deadline = time.time() + 120
         while time.time() < deadline:
             assert self.proc.poll() is None, self.log()
-            try:
-                self.client(KEY_A).batches.list(limit=1)
-                return
-            except openai.APIConnectionError:
-                time.sleep(0.3)
+            listening = re.search(r"spark-llm serve: http://127\.0\.0\.1:(\d+)/v1", path.read_text(errors="replace"))
+            if listening:
+                self.port = int(listening.group(1))
+                try:
+                    self.client(KEY_A).batches.list(limit=1)
+                    return
+                except openai.APIConnectionError:
+                    pass
+            time.sleep(0.3)
         raise AssertionError("the server did not answer within 120 s\n" + self.log())
 
     def client(self, key: str | None = KEY_A) -> "openai.OpenAI":

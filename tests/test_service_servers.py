@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import write_jsonl, chat_line
+from conftest import chat_line, eventually, write_jsonl
 from test_service import FINAL, Server, long_input, one_row_each, upload, wait_for
 
 pytestmark = pytest.mark.engine
@@ -201,11 +201,12 @@ def test_the_database_down_for_a_while_loses_nothing(servers, tmp_path, postgres
     batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(client, batch.id, until=lambda x: x.request_counts.completed > 0 or x.status != "validating")
     postgres.pause()
+    down = time.monotonic()
     try:
-        time.sleep(2)
-        ready = httpx.get(f"http://127.0.0.1:{live[0].port}/ready", timeout=30)
-        assert ready.status_code == 503 and "database" in ready.json()["problems"][0]
-        time.sleep(30 - 2)  # the database down for 30 s in all
+        ready = lambda: httpx.get(f"http://127.0.0.1:{live[0].port}/ready", timeout=30)  # noqa: E731
+        eventually(lambda: ready().status_code == 503, "/ready says the database is down", seconds=30, every=0.5)
+        assert "database" in ready().json()["problems"][0]
+        time.sleep(max(0.0, down + 30 - time.monotonic()))  # the database down for 30 s in all
     finally:
         postgres.resume()
     done = wait_for(client, batch.id, timeout=600)

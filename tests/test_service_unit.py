@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import eventually
+
 from spark_llm.config import ConfigError
 from spark_llm.service.files import TextCheck, check_filename
 from spark_llm.service.lifecycle import CANCELLABLE, FINAL, TIMESTAMP, TRANSITIONS, Status, sources
@@ -150,19 +152,42 @@ def test_each_batch_is_claimed_by_one_server_of_many_claiming_at_once(shared_sto
 
 
 def test_a_lease_runs_out_unless_renewed_and_then_another_server_takes_the_batch(shared_store):
-    import time
-
+    """b2's lease is short and never renewed, b1's long and renewed: s2 gets b2 once its lease has run out (waited
+    for), never b1. The leases' lengths differ by minutes, so no pause of this process decides the outcome."""
     shared_store.add_batch(_batch("b1"))
     shared_store.add_batch(_batch("b2"))
-    assert shared_store.claim("b1", "s1", 0.5) and shared_store.claim("b2", "s1", 0.5)
+    assert shared_store.claim("b1", "s1", 300) and shared_store.claim("b2", "s1", 0.2)
     assert not shared_store.claim("b1", "s2", 30)
-    time.sleep(0.3)
-    assert shared_store.renew(["b1"], "s1", 0.5) == {"b1"}  # b2 is not renewed
-    time.sleep(0.3)
-    assert shared_store.claim("b2", "s2", 30) and not shared_store.claim("b1", "s2", 30)  # s1 died for b2 only
+    assert shared_store.renew(["b1"], "s1", 300) == {"b1"}  # b2 is not renewed
+    eventually(lambda: shared_store.claim("b2", "s2", 30), "b2's lease ran out and s2 took it", seconds=30)
+    assert not shared_store.claim("b1", "s2", 30)  # s1 died for b2 only
     assert shared_store.renew(["b1", "b2"], "s1", 30) == {"b1"}  # s1 learns it lost b2
     shared_store.release("b1", "s1")
     assert shared_store.claim("b1", "s2", 30)
+
+
+def test_a_postgresql_whose_port_was_taken_before_it_started_starts_on_another(monkeypatch):
+    """A free port picked for PostgreSQL (it takes no port 0) can be taken before the server binds it."""
+    import socket
+
+    from conftest import _load_script
+
+    postgres_server = _load_script("postgres_server")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        pick = postgres_server._free_port
+        monkeypatch.setattr(postgres_server, "_free_port", lambda: next(picks, None) or pick())
+        server = postgres_server.Postgres().start()
+        try:
+            assert server.port != taken
+            from spark_llm.service.store import Store
+
+            Store(server.url).close()  # it answers on the port it reports
+        finally:
+            server.stop()
 
 
 def test_an_older_database_gets_the_lease_columns(tmp_path):
