@@ -76,6 +76,23 @@ class _Running:
             self.stop = why
 
 
+def has_room(running: list[_Running], priority: Optional[str], max_running: int) -> bool:
+    """Whether a batch of ``priority`` may start beside the ``running`` ones: ``max_running`` run at once, and one
+    high-priority batch more (it runs beside them on the same engines, so a small urgent batch does not wait for a
+    large one to end; the large one goes on). A run that is ending the batch early takes no room."""
+    live = [r for r in running if not r.ending]
+    if len(live) < max_running:
+        return True
+    return priority == "high" and len(live) == max_running and not any(r.priority == "high" for r in live)
+
+
+def to_pause(running: list[_Running]) -> list[_Running]:
+    """The runs that yield their task slots to a high-priority batch now: those of other priorities that may infer
+    and have committed a wave since they last yielded (so that a stream of urgent batches does not starve one)."""
+    return [r for r in running
+            if not r.ending and r.priority != "high" and r.committed_since_yield and r.may_infer.is_set()]
+
+
 class _Progress(RunListener):
     """A run's progress into the store: in_progress once validated, counts as waves commit, finalizing at the
     end; at each of these points a requested stop ends the run (:class:`BatchStopped`)."""
@@ -279,14 +296,7 @@ class Scheduler:
                 cancel_batch_jobs(self.spark, running.batch_id)
 
     def _has_room(self, batch: BatchRecord) -> bool:
-        """Whether ``batch`` may start now: ``max_running_batches`` run at once, and one high-priority batch more
-        (it runs beside them on the same engines, so a small urgent batch does not wait for a large one to end;
-        the large one goes on)."""
-        running = [r for r in self._running.values() if not r.ending]
-        if len(running) < self.settings.max_running_batches:
-            return True
-        return batch.priority == "high" and len(running) == self.settings.max_running_batches and \
-            not any(r.priority == "high" for r in running)
+        return has_room(list(self._running.values()), batch.priority, self.settings.max_running_batches)
 
     def _yield_to(self, urgent: BatchRecord) -> None:
         """The running batches pause their inference for the high-priority ``urgent`` one (:func:`cancel_waves`):
@@ -296,8 +306,7 @@ class Scheduler:
         yields again only after committing a wave, so a stream of urgent batches does not starve it."""
         if not self.settings.max_yield_seconds:
             return
-        pausing = [r for r in self._running.values()
-                   if not r.ending and r.priority != "high" and r.committed_since_yield and r.may_infer.is_set()]
+        pausing = to_pause(list(self._running.values()))
         for running in pausing:
             log.info("batch %s: yields its task slots to the high-priority batch %s", running.batch_id, urgent.id)
             running.yields += 1
