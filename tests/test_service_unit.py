@@ -218,7 +218,7 @@ def test_a_key_s_line_gives_its_priority_and_limits(tmp_path):
 
 # ---- the scheduler's decisions, without Spark ---------------------------------------------------------------------
 
-def _run(batch_id: str, priority: str = "default", **state):
+def _run(batch_id: str, priority: str = "normal", **state):
     from spark_llm.service.scheduler import _Running
 
     return _Running(batch_id, priority=priority, **state)
@@ -227,13 +227,13 @@ def _run(batch_id: str, priority: str = "default", **state):
 def test_a_batch_starts_while_there_is_room_and_one_urgent_batch_more():
     from spark_llm.service.scheduler import has_room
 
-    assert has_room([], "default", 1)
-    assert not has_room([_run("a")], "default", 1)
+    assert has_room([], "normal", 1)
+    assert not has_room([_run("a")], "normal", 1)
     assert has_room([_run("a")], "high", 1)  # one urgent batch beside the running ones
     assert not has_room([_run("a"), _run("u", "high")], "high", 1)  # not two
     assert not has_room([_run("a"), _run("b")], "high", 1)  # already over the limit
-    assert has_room([_run("a", ending=True)], "default", 1)  # a run ending its batch early takes no room
-    assert has_room([_run("a")], "default", 2)
+    assert has_room([_run("a", ending=True)], "normal", 1)  # a run ending its batch early takes no room
+    assert has_room([_run("a")], "normal", 2)
 
 
 def test_the_runs_that_yield_to_an_urgent_batch():
