@@ -228,8 +228,16 @@ class BatchConfig(BaseModel):
         None, description="vLLM automatic prefix caching (requests sharing a system prompt reuse its KV cache). "
         "None keeps vLLM's default (on).",
         json_schema_extra=engine("model and engine"))
-    seed: int = Field(0, description="Engine seed; with temperature 0 outputs are reproducible.",
+    seed: int = Field(0, description="The batch's seed: with sampling_seeds 'request', a sampled request without "
+        "a seed of its own draws from a seed made of this one and its custom_id; also vLLM's engine seed.",
         json_schema_extra=engine("model and engine"))
+    sampling_seeds: Literal["request", "engine"] = Field(
+        "request", description="Where a sampled request without a seed of its own gets its random numbers. "
+        "'request': a seed of its own made of the batch's seed and its custom_id, so its answer is the same however "
+        "the batch is partitioned, on however many GPUs, and after --resume. 'engine': the stream of its engine, "
+        "seeded apart for each engine (answers independent, but not reproducible); on vLLM's V1 model runner it "
+        "skips a per-request step of the sampler (see docs/request-shapes.md).",
+        json_schema_extra=engine("model and engine", vllm=None))
     distributed_executor_backend: Optional[str] = Field(
         None, description="vLLM executor backend. None picks 'uni' (in-process, required inside Spark's forked "
         "Python workers) for one GPU and 'mp' for tensor parallel.",

@@ -21,6 +21,9 @@ The value is one or more faults separated by ``;``:
   wave in flight, for as long as a test needs one.
 - ``hold_commit_until:<release path>:<custom_id>`` (driver): the commit of a wave holding that request waits likewise,
   its inference ended: while the batch's last wave commits, none of its waves is in flight.
+- ``meet_before_engine_call:<directory>:<custom_id prefix>:<N>`` (executors): an engine call holding a request
+  whose custom_id starts with the prefix waits, before it starts, until N such calls have arrived (each leaves a
+  file in the directory; 10 minutes at most): N partitions on N engines at once.
 
 A test waits for ``.held`` (a state it made), never for a time that should be long enough.
 """
@@ -82,6 +85,10 @@ def before_engine_call(custom_ids: Collection[str]) -> None:
     for args in _faults("hold_inference_until"):
         if len(args) > 1 and args[1] in custom_ids:
             _hold(args[0], f"the engine call holding {args[1]!r}")
+    for args in _faults("meet_before_engine_call"):
+        prefix, _, count = args[1].rpartition(":") if len(args) > 1 else ("", "", "")
+        if prefix and any(c.startswith(prefix) for c in custom_ids):
+            _meet(args[0], int(count), f"the engine call holding {prefix}* requests")
     for args in _faults("crash_on_custom_id"):
         if args[0] in custom_ids:
             log.error("fault injection: Python worker %d dies with %r in flight", os.getpid(), args[0])
@@ -145,4 +152,15 @@ def _hold(release: str, what: str) -> None:
     log.warning("fault injection: %s waits until %s exists", what, release)
     deadline = time.monotonic() + HOLD_SECONDS
     while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _meet(directory: str, count: int, what: str) -> None:
+    """Arrive in ``directory`` and wait until ``count`` callers have (:data:`HOLD_SECONDS` at most)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{os.getpid()}-{time.monotonic_ns()}"), "w"):
+        pass
+    log.warning("fault injection: %s waits for %d calls to meet in %s", what, count, directory)
+    deadline = time.monotonic() + HOLD_SECONDS
+    while len(os.listdir(directory)) < count and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from . import faults
 from .endpoints import BY_KIND, Reply
+from .endpoints.common import with_request_seed
 from .engine_host import (EngineClient, EngineDied, EngineGone, EngineSpec, ProcessSettings, RequestFailure,
                           TaskPlace, engine_for, prestart)
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
@@ -52,6 +53,12 @@ class InferContext:
     place: TaskPlace = TaskPlace()
     media: MediaPolicy = MediaPolicy()  #: where the requests' images are read from
 
+    @property
+    def request_seeds(self) -> Optional[int]:
+        """The batch's seed when sampled requests get seeds of their own (``sampling_seeds: request``), else None."""
+        settings = self.engine.settings
+        return settings.get("seed", 0) if settings.get("sampling_seeds", "request") == "request" else None
+
     def partition(self, pdf: Any) -> int:
         """The run's number of the partition ``pdf`` (its planned partition, after the earlier models')."""
         return int(pdf["_part"].iat[0]) + self.partition_offset if "_part" in pdf else -1
@@ -73,7 +80,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     rows = [_base_row(pdf, i, ctx) for i in range(n)]
     options = [json.loads(x) for x in pdf["options_json"]]
     kinds = list(pdf["kind"])
-    requests, owner, unreadable = _engine_requests(pdf, options, ctx.media)
+    requests, owner, unreadable = _engine_requests(pdf, options, ctx.media, ctx.request_seeds)
 
     def answer(i: int, outputs: list) -> None:
         rows[i]["model"] = options[i].get("adapter") or ctx.served_model_name
@@ -210,14 +217,16 @@ def prestart_partition(batches: Iterator, ctx: InferContext) -> Iterator:
         yield pd.DataFrame({"slot": [slot.name], "started": [prestart(ctx.engine, ctx.process, slot)]})
 
 
-def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy) -> tuple[list[tuple], list[int],
-                                                                                  dict[int, RequestFailure]]:
+def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy, batch_seed: Optional[int] = None
+                     ) -> tuple[list[tuple], list[int], dict[int, RequestFailure]]:
     """One engine request per prompt of every row (prompt token ids, SamplingParams keyword arguments, what the
     engine should parse out of the answer and, for a row with images, their bytes, read here and decoded by the
-    engine), the row each belongs to, and the rows whose images could not be read (no request: their failure)."""
+    engine), the row each belongs to, and the rows whose images could not be read (no request: their failure).
+    With ``batch_seed``, a sampled prompt without a seed gets its own (:func:`~spark_llm.endpoints.common.
+    with_request_seed`)."""
     requests, owner, unreadable = [], [], {}
-    for i, (kind, sampling_json, prompts) in enumerate(zip(pdf["kind"], pdf["sampling_json"],
-                                                          pdf["prompt_token_ids"])):
+    for i, (kind, sampling_json, prompts, custom_id) in enumerate(zip(pdf["kind"], pdf["sampling_json"],
+                                                                     pdf["prompt_token_ids"], pdf["custom_id"])):
         sampling = json.loads(sampling_json)
         parse = {"reasoning": BY_KIND[kind].PARSE_REASONING}
         if options[i].get("tool_choice") == "auto":
@@ -230,9 +239,10 @@ def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy) -> tuple
         except RequestError as exc:
             unreadable[i] = RequestFailure("image", exc.message, exc.code.value)
             continue
-        for ids in prompts:
+        for k, ids in enumerate(prompts):
             ids = ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
-            requests.append((ids, sampling, parse, images) if images else (ids, sampling, parse))
+            seeded = sampling if batch_seed is None else with_request_seed(sampling, batch_seed, str(custom_id), k)
+            requests.append((ids, seeded, parse, images) if images else (ids, seeded, parse))
             owner.append(i)
     return requests, owner, unreadable
 

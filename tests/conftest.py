@@ -27,6 +27,9 @@ KILL_CUSTOM_ID = "kill-my-worker"
 #: call, the engine process whenever the second is; each must end as one engine_error row, the rest answered.
 POISON_WORKER_ID = "poison-kills-worker"
 POISON_ENGINE_ID = "poison-kills-engine"
+#: Engine calls holding requests whose custom_id starts with this wait until two have arrived (spark_llm.faults): a
+#: batch of two partitions of them runs on the two engines at once (tests/test_sampling_seeds.py)
+MEETING_PREFIX = "meet-"
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +68,8 @@ def spark(tmp_path_factory, kill_marker, engine_dir, model_cache):
 
     # set before Spark starts: local workers inherit the driver's environment
     os.environ[FAULT_ENV] = (f"kill_worker_once:{kill_marker}:{KILL_CUSTOM_ID};crash_on_custom_id:{POISON_WORKER_ID};"
-                             f"kill_engine_on_custom_id:{POISON_ENGINE_ID}")
+                             f"kill_engine_on_custom_id:{POISON_ENGINE_ID};"
+                             f"meet_before_engine_call:{tmp_path_factory.mktemp('meeting')}:{MEETING_PREFIX}:2")
     os.environ[ENGINE_DIR_ENV] = str(engine_dir)
     os.environ[MODEL_CACHE_ENV] = str(model_cache)
     warehouse = tmp_path_factory.mktemp("warehouse")

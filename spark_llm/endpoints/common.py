@@ -242,6 +242,27 @@ def sampling(body: dict, ctx: Any, max_tokens_keys: tuple[str, ...]) -> dict[str
     return sp
 
 
+#: below this temperature vLLM samples greedily, and a seed means nothing (vllm.sampling_params._SAMPLING_EPS)
+GREEDY_BELOW = 1e-5
+
+
+def request_seed(batch_seed: int, custom_id: str, prompt: int = 0) -> int:
+    """The seed of a sampled request that gives none (``sampling_seeds: request``): made of the batch's seed, the
+    request's ``custom_id`` (unique in a batch) and which of its prompts it is, so that no two requests of a batch
+    share a random stream and each answer is the same however the batch was partitioned. 63 bits: vLLM gives an
+    ``n > 1`` request's choices ``seed + i``, and torch takes seeds below 2**64."""
+    digest = hashlib.blake2b(f"{batch_seed}\x00{custom_id}\x00{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def with_request_seed(sampling_kwargs: dict[str, Any], batch_seed: int, custom_id: str, prompt: int = 0) -> dict:
+    """``sampling_kwargs`` with :func:`request_seed` when the request samples and gives no seed of its own (a seed
+    it gives keeps vLLM's meaning); as they are otherwise (greedy requests, pooling requests)."""
+    if sampling_kwargs.get("seed") is not None or sampling_kwargs.get("temperature", 0.0) < GREEDY_BELOW:
+        return sampling_kwargs
+    return {**sampling_kwargs, "seed": request_seed(batch_seed, custom_id, prompt)}
+
+
 def logit_bias(value: Any) -> dict[str, float]:
     """``{"token id": bias}`` with ids as decimal strings and biases in [-100, 100]. The ids are checked against the
     vocabulary when the prompt is tokenized (:func:`check_token_ids`)."""

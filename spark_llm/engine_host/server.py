@@ -47,7 +47,7 @@ from ..host import process_alive, try_lock, write_private
 from .directory import STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, engine_dir, event, process_record
 from .isolation import generate_isolating, is_fatal
 from .protocol import Ask, Output, Reply, RequestFailure
-from .spec import EngineSpec, build_engine, shutdown_engine
+from .spec import EngineSpec, build_engine, seeded_for, shutdown_engine
 
 log = logging.getLogger(__name__)
 
@@ -690,7 +690,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
             import_engine()
     from ..endpoints.engine_side import Parsers
 
-    spec = EngineSpec(settings=settings)
+    spec = seeded_for(EngineSpec(settings=settings), slot.name)
     try:
         server.engine = build_engine(spec)
         server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from typing import Any, MutableMapping, Optional
 
@@ -106,6 +107,22 @@ class EngineSpec:
             "uni" if self.tensor_parallel_size == 1 else "mp")
         kw.update(self.settings.get("engine_kwargs") or {})
         return kw
+
+
+def engine_seed(seed: int, slot: str, host: str, pid: int) -> int:
+    """vLLM's seed for one engine with ``sampling_seeds: engine``: the batch's seed made apart for each engine
+    process (host, slot, process), so that the k-th sampled request of two engines never gets the same random
+    numbers, as it would if every engine started from ``seed``."""
+    digest = hashlib.blake2b(f"{seed}\x00{host}\x00{slot}\x00{pid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def seeded_for(spec: EngineSpec, slot: str) -> EngineSpec:
+    """``spec`` with its engine's own seed (:func:`engine_seed`) when requests draw from their engine's stream."""
+    if spec.settings.get("sampling_seeds") != "engine":
+        return spec
+    own = engine_seed(spec.settings.get("seed") or 0, slot, socket.gethostname(), os.getpid())
+    return EngineSpec(settings={**spec.settings, "seed": own})
 
 
 def build_engine(spec: EngineSpec) -> Any:
