@@ -133,7 +133,7 @@ def preload_tokenizers(config: BatchConfig) -> bool:
     import threading
 
     from .models import resolve, resolve_models
-    from .tokens import get_tokenizer
+    from .tokenizers import get_tokenizer
 
     if not _small_local_input(config):
         return False

@@ -114,7 +114,8 @@ def test_every_line_once_and_every_bad_image_an_error_row_that_names_it(spark, i
 def test_prompt_tokens_are_the_engine_s_and_count_each_image(spark, image_run):
     from spark_llm.media import MediaPolicy
     from spark_llm.models import resolve
-    from spark_llm.tokens import TokenContext, count_rows, get_tokenizer
+    from spark_llm.tokenizers import get_tokenizer
+    from spark_llm.tokens import TokenContext, count_rows
     from spark_llm.validate import ValidationContext, validate_line
 
     result, cases, cfg = image_run

@@ -178,7 +178,7 @@ def test_reasoning_is_split_from_the_answer_and_counted(thinking_engine, tiny_mo
     from openai.types.chat import ChatCompletion
     from openai.types.responses import Response
     from spark_llm.endpoints import chat, responses
-    from spark_llm.tokens import get_tokenizer
+    from spark_llm.tokenizers import get_tokenizer
 
     tok = get_tokenizer(tiny_model)
     # the tiny model never closes its thinking: everything it generates is reasoning, there is no answer yet
@@ -226,7 +226,7 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_still_a_tool_call(plain_engine,
     from openai.types.chat import ChatCompletion
     from openai.types.responses import Response
     from spark_llm.endpoints import chat, responses
-    from spark_llm.tokens import get_tokenizer
+    from spark_llm.tokenizers import get_tokenizer
 
     tok = get_tokenizer(tiny_model)
 

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import chat_line, completion_line, validation_context
 from spark_llm.schemas import TOKENIZED_SCHEMA
-from spark_llm.tokens import TokenContext, count_batches, count_row, count_rows, get_tokenizer
+from spark_llm.tokenizers import get_tokenizer
+from spark_llm.tokens import TokenContext, count_batches, count_row, count_rows
 from spark_llm.validate import validate_batches
 
 
@@ -152,7 +153,7 @@ def test_tokenizers_load_without_torch_the_class_autotokenizer_chose_in_a_child_
 
     from transformers import AutoTokenizer
 
-    probe = ("import json, sys; from spark_llm.tokens import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+    probe = ("import json, sys; from spark_llm.tokenizers import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
              "print(json.dumps([type(t).__name__, 'torch' in sys.modules, t.encode(t.apply_chat_template("
              "[{'role': 'user', 'content': 'hello 世界'}], tokenize=False, add_generation_prompt=True), "
              "add_special_tokens=False)]))")
@@ -175,9 +176,9 @@ def test_a_worker_keeps_a_loaded_tokenizer_out_of_the_collector_s_walks_but_the_
 
     import pandas as pd
 
-    from spark_llm import tokens
+    from spark_llm import tokenizers
 
-    tokens._TOKENIZERS.pop(tiny_model, None)  # load it again here
+    tokenizers._TOKENIZERS.pop(tiny_model, None)  # load it again here
     before = gc.get_freeze_count()
     get_tokenizer(tiny_model)
     assert gc.get_freeze_count() == before
@@ -185,12 +186,12 @@ def test_a_worker_keeps_a_loaded_tokenizer_out_of_the_collector_s_walks_but_the_
     def probe(batches):
         import gc
 
-        from spark_llm import tokens
+        from spark_llm import tokenizers
 
         for _ in batches:
-            tokens._TOKENIZERS.pop(tiny_model, None)
+            tokenizers._TOKENIZERS.pop(tiny_model, None)
             frozen = gc.get_freeze_count()
-            tokens.get_tokenizer(tiny_model)
+            tokenizers.get_tokenizer(tiny_model)
             yield pd.DataFrame({"before": [frozen], "after": [gc.get_freeze_count()]})
 
     row = spark.range(1, numPartitions=1).mapInPandas(probe, "before long, after long").first()
@@ -214,8 +215,8 @@ def test_a_worker_waits_for_the_engine_deciding_the_tokenizer_class_and_loads_wh
          "    print('importing', flush=True)\n    time.sleep(2)\n", tiny_model], env=env, stdout=subprocess.PIPE,
         text=True)
     assert engine.stdout.readline().strip() == "importing"
-    probe = ("import sys; from spark_llm import tokens; tokens._decide_class = None; "
-             "t = tokens.load_tokenizer(sys.argv[1]); print(type(t).__name__, 'torch' in sys.modules)")
+    probe = ("import sys; from spark_llm import tokenizers; tokenizers._decide_class = None; "
+             "t = tokenizers.load_tokenizer(sys.argv[1]); print(type(t).__name__, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe, tiny_model], env=env, check=True, capture_output=True,
                          text=True).stdout
     assert engine.wait(timeout=60) == 0
@@ -227,16 +228,33 @@ def test_an_engine_does_not_wait_for_another_process_deciding_the_tokenizer_clas
                                                                                   monkeypatch):
     """A worker's child deciding the class holds the host's lock for seconds (it imports torch); an engine start
     must not wait for it: it leaves the decision to that process."""
-    from spark_llm import tokens
+    from spark_llm import tokenizers
     from spark_llm.host import locked
 
     monkeypatch.setenv("SPARK_LLM_MODEL_CACHE", str(tmp_path))
-    record = tokens._class_record(tiny_model)
-    with locked(tokens.decision_lock(record), wait=0.0) as held:
+    record = tokenizers._class_record(tiny_model)
+    with locked(tokenizers.decision_lock(record), wait=0.0) as held:
         assert held
-        with tokens.deciding_tokenizer_class(tiny_model):  # returns at once: another process is deciding
+        with tokenizers.deciding_tokenizer_class(tiny_model):  # returns at once: another process is deciding
             pass
         assert not record.exists()
-    with tokens.deciding_tokenizer_class(tiny_model):
+    with tokenizers.deciding_tokenizer_class(tiny_model):
         pass
-    assert record.exists() and tokens._recorded_class(record) is not None
+    assert record.exists() and tokenizers._recorded_class(record) is not None
+
+
+def test_the_engine_process_decides_the_tokenizer_class_without_importing_spark(tiny_model, tmp_path):
+    """The engine process is vLLM's: what it imports of ours to serve (its module, the tokenizer decision, the
+    endpoints' engine side) must not pull in pyspark or pandas, the token stage's."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom spark_llm.engine_host.server import tokenizer_class_decided\n"
+             "from spark_llm.endpoints import engine_side\n"
+             "with tokenizer_class_decided({'model': sys.argv[1], 'tokenizer': None}):\n    pass\n"
+             "print(sorted(m for m in ('pyspark', 'pandas', 'py4j') if m in sys.modules))\n")
+    env = {**__import__("os").environ, "SPARK_LLM_MODEL_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe, tiny_model], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    assert out.strip() == "[]"
+    assert len(list(tmp_path.glob("tokenizer-class-*.txt"))) == 1  # it did decide (transformers, torch imported)

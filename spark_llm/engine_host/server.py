@@ -631,10 +631,10 @@ def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
 def tokenizer_class_decided(settings: dict) -> Any:
     """A block (the engine's imports) after which this process decides the class of the engine's tokenizer for the
     processes counting tokens on this host, which wait for it meanwhile
-    (:func:`~spark_llm.tokens.deciding_tokenizer_class`): this process imports transformers' configuration classes,
+    (:func:`~spark_llm.tokenizers.deciding_tokenizer_class`): this process imports transformers' configuration classes,
     and torch, anyway, where each of them would import them for that alone. A local model directory only (a URI's
     copies differ between the engine and the counting)."""
-    from ..tokens import deciding_tokenizer_class
+    from ..tokenizers import deciding_tokenizer_class
 
     path = EngineSpec(settings).tokenizer
     return deciding_tokenizer_class(path) if isinstance(path, str) and os.path.isdir(path) else contextlib.nullcontext()
