@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from .errors import EngineStartError
+
 
 class SparkJobInBackground:
     """A driver thread running Spark jobs in the run's job group (pyspark's ``InheritableThread``, which carries
@@ -35,3 +37,11 @@ class SparkJobInBackground:
         if self.error is not None:
             raise self.failure(self.error) from None
         return self.value
+
+
+class EngineJob(SparkJobInBackground):
+    """A background Spark job whose tasks use the engines: an executor-side engine start failure is raised as one
+    clear error."""
+
+    def failure(self, exc: BaseException) -> BaseException:
+        return EngineStartError.from_job(exc)

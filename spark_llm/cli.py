@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 import threading
@@ -74,12 +73,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     if not planning and not config.batch_id:  # named now, so that an interrupted run can say what to resume
         config.batch_id = new_batch_id()
-    if not planning and not args.remote and "PYSPARK_GATEWAY_PORT" not in os.environ:
+    if not planning:
         from .prepare import preload_tokenizers
-        from .waves import prestart_before_session
+        from .warmup import start_before_session
 
-        if prestart_before_session(config, spark_conf, args.master):  # a local[N] session: engines load meanwhile,
-            preload_tokenizers(config)  # and a small input's tokenizers
+        if start_before_session(config, spark_conf, args.master, args.remote):  # a local[N] session: engines load
+            preload_tokenizers(config)  # meanwhile, and a small input's tokenizers
     spark = get_session(master=args.master, conf=spark_conf, remote=args.remote)
     try:
         if planning:

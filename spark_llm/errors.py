@@ -55,6 +55,15 @@ class RequestError(Exception):
 class EngineStartError(RuntimeError):
     """The engine could not be built on an executor; the job stops with this message."""
 
+    _REMOTE = re.compile(r"EngineStartError: (.+?)(?:\n|$)")
+
+    @classmethod
+    def from_job(cls, exc: BaseException) -> BaseException:
+        """A Spark job's failure whose executor-side cause is an engine start failure, as that one clear error;
+        other failures as they are."""
+        match = cls._REMOTE.search(str(exc))
+        return cls(match.group(1)) if match else exc
+
 
 class BatchStopped(Exception):
     """Raised into a run to end it early (a cancel, an expired completion window): ``status`` is the batch status it

@@ -19,18 +19,22 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from . import faults
+from .config import PRIORITIES, config_view
 from .endpoints import BY_KIND, Reply
 from .endpoints.common import with_request_seed
 from .engine_host import (EngineClient, EngineDied, EngineGone, EngineSpec, ProcessSettings, RequestFailure,
-                          TaskPlace, engine_for, prestart)
+                          TaskPlace, engine_for)
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .engine_host.placement import task_gpus
 from .errors import ErrorCode, RequestError, truncate
 from .media import MediaPolicy, label, read_image
 from .schemas import RESULT_FIELDS
+
+if TYPE_CHECKING:
+    from .context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,17 @@ class InferContext:
     #: task adds the GPUs Spark gives it
     place: TaskPlace = TaskPlace()
     media: MediaPolicy = MediaPolicy()  #: where the requests' images are read from
+
+    @classmethod
+    def of_run(cls, run: "RunContext", partition_offset: int = 0) -> "InferContext":
+        """The inference tasks' context of a run of one model (``run.cfg``), its partitions numbered after
+        ``partition_offset`` (the run's earlier models')."""
+        cfg = run.cfg
+        return cls(engine=EngineSpec.from_config(cfg), served_model_name=cfg.served_model_name or "",
+                   batch_id=run.batch_id, process=config_view(ProcessSettings, cfg), metrics=run.metrics,
+                   journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
+                   partition_offset=partition_offset, place=run.layout.place,
+                   priority=PRIORITIES.index(cfg.priority), media=MediaPolicy.of(cfg))
 
     @property
     def request_seeds(self) -> Optional[int]:
@@ -192,29 +207,6 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
             engine.rebuild()
             continue
         return Guarded(results, {row_of[r] for r in plan.quarantined}, len(deaths))
-
-
-def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:
-    """mapInPandas body of the warm-up job on GPU clusters: make sure the engine of this task's GPUs is running
-    (started if needed, the slot held until it is ready), one row per task: the slot and whether this task started
-    it."""
-    import pandas as pd
-
-    for _ in batches:
-        gpus = task_gpus(ctx.engine.tensor_parallel_size)
-        with engine_for(ctx.engine, ctx.process, TaskPlace(gpus=tuple(gpus) if gpus else None), ctx.run_id) as engine:
-            yield pd.DataFrame({"slot": [engine.slot.name], "started": [engine.started_here]})
-
-
-def prestart_partition(batches: Iterator, ctx: InferContext) -> Iterator:
-    """mapInPandas body of the warm-up job on local masters: task ``n`` starts local slot ``n``'s engine loading and
-    returns at once (the inference tasks wait for it); one row per task: the slot and whether it was started."""
-    import pandas as pd
-    from pyspark import TaskContext
-
-    for _ in batches:
-        slot = ctx.place.local_slots()[TaskContext.get().partitionId()]
-        yield pd.DataFrame({"slot": [slot.name], "started": [prestart(ctx.engine, ctx.process, slot)]})
 
 
 def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy, batch_seed: Optional[int] = None

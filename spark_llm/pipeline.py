@@ -30,7 +30,8 @@ from .models import check_adapters
 from .prepare import Outcomes, check_size, count_outcomes, prepared
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta, spark_conf
-from .waves import EngineWarmup, Inferred, infer_models
+from .waves import Inferred, infer_models
+from .warmup import EngineWarmup
 
 log = logging.getLogger(__name__)
 

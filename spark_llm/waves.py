@@ -15,35 +15,25 @@ shuffle runs when the wave is submitted (a local checkpoint), not when its first
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import re
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Optional
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from . import faults, storage, write
-from .background import SparkJobInBackground
+from .background import EngineJob, SparkJobInBackground
 from .context import RunContext, waves_tag
-from .config import PRIORITIES, BatchConfig, config_view
-from .engine_host import EngineSpec, Executor, ProcessSettings, prestart_slots
-from .engine_host.placement import config_layout, has_gpus, inference_profile
-from .errors import EngineStartError
-from .infer import InferContext, infer_partition, prestart_partition, warm_partition
-from .media import MediaPolicy
-from .models import resolve
+from .infer import InferContext, infer_partition
 from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions, plan_settings
 from .prepare import LocalRows, Outcomes
 from .schemas import RESULT_SCHEMA
-from .session import (FIRST_POOL, URGENT_POOL, WAVES_POOL, is_connect, is_local_master, local_executor,
-                      local_parallelism, local_session_conf, local_task_threads, local_worker_env, scheduler_pool,
-                      set_local_environment, spark_conf)
+from .session import FIRST_POOL, URGENT_POOL, WAVES_POOL, is_connect, scheduler_pool
+from .warmup import EngineWarmup
 
 log = logging.getLogger(__name__)
 
@@ -77,124 +67,6 @@ WAVES_IN_FLIGHT = 2
 #: Finished waves whose commits run or wait at once (in wave order): a commit never holds up submitting the next
 #: wave, and a crash loses at most these and the waves in flight.
 COMMITS_IN_FLIGHT = 2
-
-
-class _EngineJob(SparkJobInBackground):
-    """A background Spark job whose tasks use the engines: an executor-side engine start failure is raised as one
-    clear error."""
-
-    def failure(self, exc: BaseException) -> BaseException:
-        return engine_failure(exc)
-
-
-class EngineWarmup(_EngineJob):
-    """The engines load while the driver reads, validates and counts the batch; loading a model takes from seconds
-    (a small one on a CPU) to minutes (a large one on GPUs), and the engines would otherwise sit idle until then.
-
-    - GPU clusters: a Spark job of one task per engine slot, in the inference stage's resource profile, run from a
-      driver thread; each task holds its GPUs until their engine is ready, and inference tasks then find it.
-      :meth:`wait` blocks until the engines are up; one that could not start stops the batch there.
-    - Local masters (one executor, on this host, the driver's own JVM): this process starts each CPU slot's engine
-      loading (:func:`prestart_here`), no Spark job; over Spark Connect (the executor is the server's) a job of one
-      quick task per CPU slot does it (:func:`~spark_llm.infer.prestart_partition`). Either way the prepare stage
-      keeps every task slot, and the first inference task of a slot waits for its engine.
-    - Other clusters without GPUs: nothing (which executor's slots the inference tasks will take is not known).
-    """
-
-    def __init__(self, run: RunContext, blocking: bool):
-        self.run, self.blocking = run, blocking
-        super().__init__(run.spark, "spark_llm-warmup", self._load)
-
-    @classmethod
-    def start(cls, run: RunContext) -> Optional["EngineWarmup"]:
-        if run.cfg.finish_unanswered:  # nothing will run
-            return None
-        conf = spark_conf(run.spark)
-        if has_gpus(conf):
-            return cls(run, blocking=True)
-        if is_local_master(conf) and not is_connect(run.spark) and prestart_here(run, conf):
-            return None
-        return cls(run, blocking=False) if is_local_master(conf) else None
-
-    def _load(self) -> None:
-        run = self.run
-        run.describe("load the engines")
-        engines = run.layout.engines
-        ictx = _infer_context(run, Numbering())
-        body = warm_partition if self.blocking else prestart_partition
-        # a task per engine, each on whole GPUs: shares of a GPU would put two of them on one engine
-        profile = inference_profile(spark_conf(run.spark), run.cfg.tensor_parallel_size)
-        started = (run.spark.range(0, engines, 1, numPartitions=engines)
-                   .mapInPandas(lambda it: body(it, ictx), "slot string, started boolean",
-                                profile=profile).collect())  # one small row per engine
-        names = ", ".join(sorted(r["slot"] for r in started))
-        if self.blocking:
-            log.info("batch %s: engines ready on %s", run.batch_id, names)
-        else:
-            log.info("batch %s: engines loading on %s", run.batch_id, names)
-
-    @classmethod
-    @contextlib.contextmanager
-    def started(cls, run: RunContext) -> Iterator[Optional["EngineWarmup"]]:
-        """:meth:`start`, closed when the block ends."""
-        warmup = cls.start(run)
-        try:
-            yield warmup
-        finally:
-            if warmup is not None:
-                warmup.close()
-
-    def close(self) -> None:
-        """Stop waiting for engines nothing will use (no request left to infer, or the run failed before)."""
-        if self.thread.is_alive():
-            self.run.cancel_jobs()  # the run's only job still running
-            self.thread.join()
-
-
-def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
-    """The engines of a local session's CPU slots start loading, from this process (their executor is this
-    session's JVM): seconds sooner than from a Spark job's tasks, whose Python workers would first start and import
-    what they run, on the cores the engines load on. False when this process cannot (a cluster that does not let
-    the driver call into its JVM, say): the warm-up job does it then."""
-    try:
-        ictx = _infer_context(run, Numbering())
-        executor = Executor(local_executor(run.spark), local_worker_env(conf))
-        slots = ictx.place.local_slots(executor.pid)
-        prestart_slots(ictx.engine, ictx.process, slots, executor)
-    except Exception as exc:  # only a head start
-        log.info("batch %s: the engines start from a warm-up job (%s)", run.batch_id, exc)
-        return False
-    log.info("batch %s: engines loading on %s", run.batch_id, ", ".join(s.name for s in slots))
-    return True
-
-
-def prestart_before_session(config: BatchConfig, settings: Mapping[str, str], master: Optional[str]) -> bool:
-    """``spark-llm run`` on a ``local[N]`` master it starts itself: the main model's CPU engines start loading
-    before the session's JVM does (the JVM, Delta and the first jobs take seconds a loading engine can use), named by
-    this process, as the session will name its executor (:data:`~spark_llm.engine_host.LOCAL_EXECUTOR_ENV`), and
-    ending with it. The run's warm-up (:func:`prestart_here`) finds them starting; a head start only: False, and
-    nothing started, when the settings do not resolve here (the run says why) or the session is not of that kind."""
-    conf = local_session_conf(master, settings)
-    if not is_local_master(conf) or has_gpus(conf):
-        return False
-    try:
-        cfg = resolve(config)
-    except Exception:  # the run reports bad settings with its own message
-        return False
-    set_local_environment()  # the environment the session's JVM and Python workers will have
-    executor = Executor(os.getpid(), local_worker_env(conf))
-    layout = config_layout(cfg, conf, lambda: local_parallelism(conf), local_task_threads(conf))
-    spec, process = EngineSpec.from_config(cfg), config_view(ProcessSettings, cfg)
-    prestart_slots(spec, process, layout.place.local_slots(executor.pid), executor)
-    return True
-
-
-def _infer_context(run: RunContext, numbering: "Numbering") -> InferContext:
-    return InferContext(engine=EngineSpec.from_config(run.cfg), served_model_name=run.cfg.served_model_name or "",
-                        batch_id=run.batch_id, process=config_view(ProcessSettings, run.cfg), metrics=run.metrics,
-                        journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
-                        partition_offset=numbering.partitions, place=run.layout.place,
-                        priority=PRIORITIES.index(run.cfg.priority), media=MediaPolicy.of(run.cfg))
 
 
 @dataclass(frozen=True)
@@ -289,7 +161,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     target, aware = plan_settings(run.cfg, layout), run.cfg.prefix_aware_partitions
     plan = plan_in_process(planned_here, target, prefix_aware=aware) if planned_here is not None else \
         plan_partitions(valid, target, prefix_aware=aware)
-    ictx = _infer_context(run, numbering)
+    ictx = InferContext.of_run(run, numbering.partitions)
     waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * layout.tasks, numbering.waves)
     current = {"wave": f"{numbering.waves}/{waves[-1].of}"}
     total = sum(plan.requests_per_partition)
@@ -362,7 +234,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     return Inferred({**plan.as_dict(), "waves": len(waves)}, committed)
 
 
-class _WaveJob(_EngineJob):
+class _WaveJob(EngineJob):
     """One wave's inference, a Spark job of its own, its results staged as Parquet."""
 
     def __init__(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, wave: Wave, ictx: InferContext,
@@ -435,12 +307,3 @@ def _staged_outcomes(staged: DataFrame) -> tuple[Outcomes, list[dict]]:
                    F.collect_list("partition_metrics").alias("records")).first()
     records = sorted((json.loads(x) for x in r["records"]), key=lambda rec: rec["partition"])
     return Outcomes(rows=int(r["rows"]), errors=int(r["errors"])), records
-
-
-_ENGINE_ERR = re.compile(r"EngineStartError: (.+?)(?:\n|$)")
-
-
-def engine_failure(exc: BaseException) -> BaseException:
-    """An executor-side engine start failure as one clear driver-side error; other failures as they are."""
-    match = _ENGINE_ERR.search(str(exc))
-    return EngineStartError(match.group(1)) if match else exc

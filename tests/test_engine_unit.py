@@ -631,51 +631,56 @@ def test_a_feeder_awaiting_an_engine_that_was_ready_and_ended_at_once_finds_it_g
 
 
 def test_the_local_warm_up_starts_each_slot_s_engine_from_the_driver_or_leaves_it_to_the_warm_up_job(monkeypatch):
-    from spark_llm import waves
+    from spark_llm import warmup
     from spark_llm.engine_host import Executor, Slot
 
     run = SimpleNamespace(batch_id="b", spark=None)
-    monkeypatch.setattr(waves, "_infer_context", lambda run, numbering: SimpleNamespace(
-        place=TaskPlace(local_engines=2), engine="the-spec", process="the-process"))
+    monkeypatch.setattr(warmup, "InferContext", SimpleNamespace(of_run=lambda run: SimpleNamespace(
+        place=TaskPlace(local_engines=2), engine="the-spec", process="the-process")))
     started = []
-    monkeypatch.setattr(waves, "prestart_slots",
+    monkeypatch.setattr(warmup, "prestart_slots",
                         lambda spec, process, slots, executor: started.extend((s, executor) for s in slots))
-    monkeypatch.setattr(waves, "local_executor", lambda spark: 31337)
-    assert waves.prestart_here(run, {"spark.executorEnv.OMP_NUM_THREADS": "3"})
+    monkeypatch.setattr(warmup, "local_executor", lambda spark: 31337)
+    assert warmup.prestart_here(run, {"spark.executorEnv.OMP_NUM_THREADS": "3"})
     assert [slot for slot, _ in started] == [Slot("cpu-31337-0"), Slot("cpu-31337-1")]
     assert all(isinstance(e, Executor) and e.pid == 31337 and e.environ["OMP_NUM_THREADS"] == "3" for _, e in started)
 
     def no_jvm(spark):  # a driver not allowed to call into its JVM (py4j security on a shared cluster, say)
         raise RuntimeError("py4j: class java.lang.ProcessHandle is not allowed")
-    monkeypatch.setattr(waves, "local_executor", no_jvm)
+    monkeypatch.setattr(warmup, "local_executor", no_jvm)
     started.clear()
-    assert not waves.prestart_here(run, {}) and not started  # the warm-up job starts them instead
+    assert not warmup.prestart_here(run, {}) and not started  # the warm-up job starts them instead
 
 
 def test_spark_llm_run_starts_a_local_session_s_engines_before_its_jvm_named_by_the_driver(monkeypatch, tiny_model):
     import os
 
-    from spark_llm import waves
+    from spark_llm import warmup
     from spark_llm.engine_host import EngineSpec
     from spark_llm.models import resolve
     from spark_llm.engine_host import Executor, Slot
 
     started = []
-    monkeypatch.setattr(waves, "prestart_slots",
+    monkeypatch.setattr(warmup, "prestart_slots",
                         lambda spec, process, slots, executor: started.extend((spec, s, executor) for s in slots))
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
     cfg = BatchConfig(model=tiny_model, served_model_name="tiny-llm", max_model_len=1024, input="x",
                       output_dir="y", batch_id="b")
-    assert waves.prestart_before_session(cfg, {"spark.executorEnv.OMP_NUM_THREADS": "3"}, "local[4]")
+    assert warmup.start_before_session(cfg, {"spark.executorEnv.OMP_NUM_THREADS": "3"}, "local[4]", None)
     pid = os.getpid()  # the executor the session will name its engines by (its driver)
     assert [slot for _, slot, _ in started] == [Slot(f"cpu-{pid}-0"), Slot(f"cpu-{pid}-1")]  # the default 2 engines
     assert all(isinstance(e, Executor) and e.pid == pid and e.environ["OMP_NUM_THREADS"] == "3" for _, _, e in started)
     assert {spec.key for spec, _, _ in started} == {EngineSpec.from_config(resolve(cfg)).key}  # the run's engine
     started.clear()
     for master in ("local-cluster[2,1,1024]", "yarn"):  # executors of their own: nothing to start from here
-        assert not waves.prestart_before_session(cfg, {}, master) and not started
+        assert not warmup.start_before_session(cfg, {}, master, None) and not started
+    assert not warmup.start_before_session(cfg, {}, "local[2]", "sc://localhost") and not started  # Spark Connect's
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # spark-submit started the session's JVM already
+    assert not warmup.start_before_session(cfg, {}, "local[2]", None) and not started
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT")
     # settings that do not resolve (no model directory to read the context length from): the run says why
     unresolved = cfg.model_copy(update={"model": "/no/such/model", "max_model_len": None})
-    assert not waves.prestart_before_session(unresolved, {}, "local[2]") and not started
+    assert not warmup.start_before_session(unresolved, {}, "local[2]", None) and not started
 
 
 def test_a_local_session_names_its_executor_by_its_driver_only_while_its_jvm_starts(monkeypatch):

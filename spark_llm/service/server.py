@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import socket
 import sys
 from typing import Any, AsyncIterator, Optional
@@ -107,8 +106,7 @@ def _session(base: BatchConfig, spark_conf: dict[str, str], master: Optional[str
     loading first, as ``spark-llm run``'s do."""
     from ..session import get_session
 
-    if not remote and "PYSPARK_GATEWAY_PORT" not in os.environ:
-        from ..waves import prestart_before_session
+    from ..warmup import start_before_session
 
-        prestart_before_session(base, spark_conf, master)
+    start_before_session(base, spark_conf, master, remote)
     return get_session(master=master, conf=spark_conf, remote=remote, app_name="spark_llm-serve")
