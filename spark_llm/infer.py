@@ -25,8 +25,8 @@ from . import faults
 from .config import PRIORITIES, config_view
 from .endpoints import BY_KIND, Reply
 from .endpoints.common import with_request_seed
-from .engine_host import (EngineClient, EngineDied, EngineGone, EngineSpec, ProcessSettings, RequestFailure,
-                          TaskPlace, engine_for)
+from .engine_host import (EngineClient, EngineDied, EngineGone, EngineRequest, EngineSpec, EngineTask, Parse,
+                          ProcessSettings, RequestFailure, TaskPlace, engine_for)
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .engine_host.placement import task_gpus
 from .errors import ErrorCode, RequestError, truncate
@@ -210,31 +210,29 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
 
 
 def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy, batch_seed: Optional[int] = None
-                     ) -> tuple[list[tuple], list[int], dict[int, RequestFailure]]:
-    """One engine request per prompt of every row (prompt token ids, SamplingParams keyword arguments, what the
-    engine should parse out of the answer and, for a row with images, their bytes, read here and decoded by the
-    engine), the row each belongs to, and the rows whose images could not be read (no request: their failure).
-    With ``batch_seed``, a sampled prompt without a seed gets its own (:func:`~spark_llm.endpoints.common.
-    with_request_seed`)."""
+                     ) -> tuple[list[EngineRequest], list[int], dict[int, RequestFailure]]:
+    """One engine request per prompt of every row (its endpoint's task, the prompt's token ids, the settings,
+    what the engine should parse out of the answer, the adapter and, for a row with images, their bytes, read here
+    and decoded by the engine), the row each belongs to, and the rows whose images could not be read (no request:
+    their failure). With ``batch_seed``, a sampled prompt without a seed gets its own
+    (:func:`~spark_llm.endpoints.common.with_request_seed`)."""
     requests, owner, unreadable = [], [], {}
     for i, (kind, sampling_json, prompts, custom_id) in enumerate(zip(pdf["kind"], pdf["sampling_json"],
                                                                      pdf["prompt_token_ids"], pdf["custom_id"])):
+        endpoint, opts = BY_KIND[kind], options[i]
         sampling = json.loads(sampling_json)
-        parse = {"reasoning": BY_KIND[kind].PARSE_REASONING}
-        if options[i].get("tool_choice") == "auto":
-            parse["tools"] = options[i]["tools"]
-        if options[i].get("adapter"):
-            parse["adapter"] = options[i]["adapter"]
-        urls = options[i].get("images") or []
+        parse = Parse(endpoint.PARSE_REASONING, opts["tools"] if opts.get("tool_choice") == "auto" else None)
+        urls = opts.get("images") or []
         try:
-            images = [read_image(u, media, label(k, len(urls), u)) for k, u in enumerate(urls)]
+            images = tuple(read_image(u, media, label(k, len(urls), u)) for k, u in enumerate(urls))
         except RequestError as exc:
             unreadable[i] = RequestFailure("image", exc.message, exc.code.value)
             continue
+        seeded = batch_seed is not None and endpoint.TASK is EngineTask.GENERATE
         for k, ids in enumerate(prompts):
             ids = ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
-            seeded = sampling if batch_seed is None else with_request_seed(sampling, batch_seed, str(custom_id), k)
-            requests.append((ids, seeded, parse, images) if images else (ids, seeded, parse))
+            params = with_request_seed(sampling, batch_seed, str(custom_id), k) if seeded else sampling
+            requests.append(EngineRequest(ids, params, endpoint.TASK, parse, opts.get("adapter"), images))
             owner.append(i)
     return requests, owner, unreadable
 

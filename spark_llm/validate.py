@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence
 
-from .endpoints import ENDPOINTS, SERVED_BY
+from .endpoints import ENDPOINTS, RUNNER_MODELS, SERVED_BY
 from .endpoints.common import json_type as _json_type
 from .errors import LINE_LEVEL_CODES, ErrorCode, RequestError, truncate
 from .media import MediaPolicy, without_data_urls
@@ -215,12 +215,12 @@ def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
     routes = ctx
     ctx, adapter = _check_model(body, routes)
     if url not in SERVED_BY[ctx.runner]:
-        kind = "an embedding model (runner pooling)" if ctx.runner == "pooling" else "a text generation model"
         serving = [c.served_model_name for c in (routes, *routes.others) if url in SERVED_BY[c.runner]]
         where = (f"set body.model to {' or '.join(map(repr, serving))}" if serving else
                  f"send {url} lines to a batch with a model for them")
         raise RequestError(ErrorCode.UNSUPPORTED_ENDPOINT,
-                           f"{ctx.served_model_name!r} is {kind}, which serves {', '.join(SERVED_BY[ctx.runner])}; "
+                           f"{ctx.served_model_name!r} is {RUNNER_MODELS[ctx.runner]}, which serves "
+                           f"{', '.join(SERVED_BY[ctx.runner])}; "
                            f"{where}")
     endpoint = ENDPOINTS[url]
     checked = endpoint.check(body, ctx)

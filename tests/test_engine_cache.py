@@ -21,12 +21,12 @@ def probe(spec: EngineSpec, prompt_ids: list[int]):
     def run(batches):
         import os
 
-        from spark_llm.engine_host import ProcessSettings, TaskPlace, engine_for
+        from spark_llm.engine_host import EngineRequest, ProcessSettings, TaskPlace, engine_for
 
         for pdf in batches:
             with engine_for(spec, ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING"),
                             TaskPlace(local_engines=2, feeds=2)) as engine:
-                [out] = engine.generate([(prompt_ids, {"max_tokens": 6, "temperature": 0}, {})])
+                [out] = engine.generate([EngineRequest(prompt_ids, {"max_tokens": 6, "temperature": 0})])
             yield pd.DataFrame({"worker": [os.getpid()], "slot": [engine.slot.name], "engine": [engine.info["pid"]],
                                 "tokens": [",".join(map(str, out.outputs[0].token_ids))], "rows": [len(pdf)]})
     return run

@@ -426,7 +426,9 @@ def stream_through(fake, requests):
 
 
 def request(first_token):
-    return ([first_token, 1, 2], {"max_tokens": 1}, {"reasoning": False})
+    from spark_llm.engine_host import EngineRequest
+
+    return EngineRequest([first_token, 1, 2], {"max_tokens": 1})
 
 
 def test_a_streamed_call_answers_every_request_once_as_it_finishes(monkeypatch):
@@ -545,7 +547,7 @@ def test_a_dead_engine_tells_every_feeder_and_the_server_stops(monkeypatch):
 
 
 def test_an_embedding_engine_that_dies_in_a_whole_call_tells_its_feeder_and_the_server_stops(monkeypatch):
-    from spark_llm.engine_host import EngineDied
+    from spark_llm.engine_host import EngineDied, EngineRequest, EngineTask
 
     class Dead(Exception):
         pass
@@ -555,11 +557,37 @@ def test_an_embedding_engine_that_dies_in_a_whole_call_tells_its_feeder_and_the_
             raise Dead("CUDA error: device-side assert triggered")
     monkeypatch.setattr("spark_llm.engine_host.server.is_fatal", lambda exc: isinstance(exc, Dead))
     serving = Serving(DyingEmbedder())
-    serving.server.pooling = True  # vLLM's pooling runner: whole calls, one at a time
+    serving.server.runner = "pooling"  # vLLM's pooling runner: whole calls, one at a time
     with pytest.raises(EngineDied, match="device-side assert"):
-        serving.client().stream([([5, 6], {}, {})], lambda i, r: None)
+        serving.client().stream([EngineRequest([5, 6], {}, EngineTask.EMBED)], lambda i, r: None)
     until(lambda: serving.stopped)
     assert serving.stopped[0][1] == 1
+
+
+def test_a_pooling_engine_does_each_request_s_task_with_its_own_call_and_refuses_a_task_of_another_runner():
+    """The engine server dispatches on the request's task (protocol.POOLING_CALLS): embeddings through
+    ``LLM.embed`` with PoolingParams, and its output says it is an embedding; a generation sent to a pooling engine is
+    that request's failure, not a call vLLM would refuse for all."""
+    from spark_llm.engine_host import EngineRequest, EngineTask, Output, RequestFailure
+
+    class Embedder(FakeLLM):
+        def embed(self, prompts, pooling_params=None, lora_request=None, use_tqdm=False):
+            self.embedded = [(p["prompt_token_ids"], type(s).__name__, s.dimensions)
+                             for p, s in zip(prompts, pooling_params)]
+            return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], num_cached_tokens=0,
+                                    outputs=SimpleNamespace(embedding=[0.5, float(len(p["prompt_token_ids"]))]))
+                    for p in prompts]
+    fake = Embedder()
+    serving = Serving(fake)
+    serving.server.runner = "pooling"
+    got = {}
+    serving.client().stream([EngineRequest([5, 6], {"max_tokens": 0, "dimensions": 2}, EngineTask.EMBED),
+                             EngineRequest([7], {"max_tokens": 1}),  # a generation
+                             EngineRequest([8, 9, 10], {"max_tokens": 0}, EngineTask.EMBED)], got.__setitem__)
+    assert fake.embedded == [([5, 6], "PoolingParams", 2), ([8, 9, 10], "PoolingParams", None)]
+    assert isinstance(got[0], Output) and got[0].task is EngineTask.EMBED and got[0].embedding == [0.5, 2.0]
+    assert got[2].embedding == [0.5, 3.0] and got[2].outputs == []
+    assert isinstance(got[1], RequestFailure) and got[1].kind == "invalid" and "pooling runner" in got[1].message
 
 
 def test_the_requests_of_a_task_that_hung_up_leave_the_engine_and_the_other_task_goes_on():

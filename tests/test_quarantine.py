@@ -9,7 +9,7 @@ import math
 import pandas as pd
 import pytest
 
-from spark_llm.engine_host import EngineDied
+from spark_llm.engine_host import EngineDied, EngineRequest
 from spark_llm.infer import generate_guarded
 from spark_llm.engine_host.isolation import (FANOUT, MAX_ENGINE_REBUILDS, Journal, isolation_plan,
                                              retry_budget_warning, task_attempts_needed)
@@ -109,14 +109,15 @@ class FakeEngine:
             self.alone_now = False
 
     def stream(self, requests, on_result, starting=None):
-        self.calls.append([r[0] for r in requests])
+        names = [f"p{r.token_ids[0]}" for r in requests]
+        self.calls.append(names)
         self.alone_calls.append(self.alone_now)
-        if not self.streams and any(r[0] in self.poison for r in requests):
+        if not self.streams and any(name in self.poison for name in names):
             raise EngineDied("the engine process died during a call (EOFError)")
-        for k, r in enumerate(requests):
-            if r[0] in self.poison:
+        for k, name in enumerate(names):
+            if name in self.poison:
                 raise EngineDied("the engine process died during a call (EOFError)")
-            on_result(k, f"out-{r[0]}")
+            on_result(k, f"out-{name}")
 
     def rebuild(self):
         self.rebuilds += 1
@@ -132,7 +133,7 @@ class Answers(dict):
 
 def partition(n):
     pdf = pd.DataFrame({"id": ids(n), "custom_id": [f"c{i}" for i in range(n)]})
-    return pdf, [(f"p{i}", {}, {}) for i in range(n)], list(range(n))
+    return pdf, [EngineRequest([i], {}) for i in range(n)], list(range(n))
 
 
 def test_an_engine_dying_under_a_live_worker_is_rebuilt_and_the_poison_request_set_aside(tmp_path):

@@ -165,12 +165,13 @@ def thinking_engine(tiny_model):
 
 def ask(engine, tok, body: dict, endpoint):
     from spark_llm.endpoints import Reply
+    from spark_llm.engine_host import EngineRequest, Parse
     from spark_llm.tokens import render_prompt
     from conftest import validation_context
 
     checked = endpoint.check({"model": "tiny-llm", **body}, validation_context(tool_call_parser="hermes"))
     [ids], _ = render_prompt(tok, endpoint.KIND, checked.prompt)
-    [out] = engine.generate([(ids, checked.sampling, {"reasoning": endpoint.PARSE_REASONING})])
+    [out] = engine.generate([EngineRequest(ids, checked.sampling, endpoint.TASK, Parse(endpoint.PARSE_REASONING))])
     return out, endpoint.respond([out], Reply("req_0123456789abcdef", "tiny-llm", 1, checked.options))
 
 

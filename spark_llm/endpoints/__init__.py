@@ -2,8 +2,9 @@
 
 Each module owns its endpoint's whole surface and exposes the same names:
 
-- ``URL`` (the batch line's ``url``), ``KIND`` (the short name in the ``kind`` column) and ``PARSE_REASONING``
-  (whether the engine's reasoning parser splits its answers);
+- ``URL`` (the batch line's ``url``), ``KIND`` (the short name in the ``kind`` column), ``TASK`` (the
+  :class:`~spark_llm.engine_host.protocol.EngineTask` an engine does for it, and so which models serve it) and
+  ``PARSE_REASONING`` (whether the engine's reasoning parser splits its answers);
 - ``check(body, ctx) -> Checked``: the request checks (a problem raises a ``RequestError`` that becomes the line's
   error row) and the engine inputs: the prompt to render, SamplingParams keyword arguments, response options;
 - ``prompt_texts(tokenizer, prompt) -> list``: what the engine will see, one entry per prompt (a completions
@@ -19,12 +20,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from ..engine_host.protocol import EngineTask
 from . import chat, completions, embeddings, responses
 from .common import Answer, Checked, Reply
 
 ENDPOINTS: dict[str, ModuleType] = {m.URL: m for m in (chat, completions, responses, embeddings)}
-#: What an engine of each runner serves.
-SERVED_BY = {"generate": (chat.URL, completions.URL, responses.URL), "pooling": (embeddings.URL,)}
 BY_KIND: dict[str, ModuleType] = {m.KIND: m for m in ENDPOINTS.values()}
+#: The urls an engine of each vLLM runner serves (generate, pooling): those whose task it does.
+SERVED_BY: dict[str, tuple[str, ...]] = {runner: tuple(m.URL for m in ENDPOINTS.values() if m.TASK.runner == runner)
+                                         for runner in dict.fromkeys(task.runner for task in EngineTask)}
+#: What a model of each runner is, in the words of a line sent to the wrong one.
+RUNNER_MODELS = {"generate": "a text generation model", "pooling": "an embedding model (runner pooling)"}
 
-__all__ = ["Answer", "BY_KIND", "Checked", "ENDPOINTS", "Reply", "SERVED_BY"]
+__all__ = ["Answer", "BY_KIND", "Checked", "ENDPOINTS", "Reply", "RUNNER_MODELS", "SERVED_BY"]

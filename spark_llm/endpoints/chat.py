@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from ..engine_host.protocol import EngineTask
 from ..errors import truncate
 from . import common
 from .common import Answer, Checked, Reply, invalid, json_type, number, unsupported
@@ -16,6 +17,7 @@ from .common import Answer, Checked, Reply, invalid, json_type, number, unsuppor
 URL = "/v1/chat/completions"
 KIND = "chat"
 PARSE_REASONING = True  #: the engine's reasoning_parser splits thinking from the answer
+TASK = EngineTask.GENERATE
 FIELDS = (common.SAMPLING_FIELDS | common.HARMLESS_FIELDS
           | {"messages", "max_tokens", "max_completion_tokens", "n", "stop", "logprobs", "top_logprobs",
              "response_format", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"})

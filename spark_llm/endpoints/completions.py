@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..engine_host.protocol import EngineTask
 from . import common
 from .common import Answer, Checked, Reply, number
 
 URL = "/v1/completions"
 KIND = "completion"
 PARSE_REASONING = False  #: completions return the raw text, as vLLM's server does
+TASK = EngineTask.GENERATE
 FIELDS = (common.SAMPLING_FIELDS | common.HARMLESS_FIELDS
           | {"prompt", "max_tokens", "n", "stop", "logprobs", "response_format"})
 MAX_PROMPTS = 2048  #: OpenAI's limit of prompts per request

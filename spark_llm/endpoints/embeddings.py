@@ -7,12 +7,14 @@ import base64
 import struct
 from typing import Any
 
+from ..engine_host.protocol import EngineTask
 from . import common, completions
 from .common import Answer, Checked, Reply, invalid, number
 
 URL = "/v1/embeddings"
 KIND = "embedding"
 PARSE_REASONING = False
+TASK = EngineTask.EMBED
 FIELDS = common.HARMLESS_FIELDS | {"input", "encoding_format", "dimensions"}
 MAX_INPUTS = 2048  #: OpenAI's limit of inputs per request
 

@@ -1,5 +1,6 @@
-"""What the engine process does for the endpoints: vLLM ``SamplingParams`` from the JSON keyword arguments the
-endpoint modules build, and the reasoning / tool-call parsing of answers with vLLM's parser registries.
+"""What the engine process does for the endpoints: vLLM ``SamplingParams`` (or ``PoolingParams``) from the JSON
+keyword arguments the endpoint modules build, and the reasoning / tool-call parsing of answers with vLLM's parser
+registries.
 
 This module imports vLLM; only the engine process (:mod:`~spark_llm.engine_host.server`) imports it, where vLLM and the
 model's tokenizer are loaded anyway, so Spark's Python workers never pay for them.
@@ -15,15 +16,18 @@ from ..errors import EngineStartError
 log = logging.getLogger(__name__)
 
 
-def sampling_params(kwargs: dict[str, Any], pooling: bool = False) -> Any:
-    """``SamplingParams`` for the JSON keyword arguments of an endpoint's ``check`` (``PoolingParams`` for a pooling
-    engine: the embeddings endpoint's ``dimensions``)."""
+def engine_params(request: Any) -> Any:
+    """vLLM's settings for an :class:`~spark_llm.engine_host.protocol.EngineRequest`: ``SamplingParams`` from the
+    keyword arguments its endpoint's ``check`` made for a generation, ``PoolingParams`` for a pooling task (the
+    embeddings endpoint's ``dimensions``; ``max_tokens``, kept for the token stage's cost, is no pooling setting)."""
     from vllm import PoolingParams, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    if pooling:
-        return PoolingParams(**{k: v for k, v in kwargs.items() if k != "max_tokens"})
-    kw = dict(kwargs)
+    from ..engine_host.protocol import EngineTask
+
+    if request.task is not EngineTask.GENERATE:
+        return PoolingParams(**{k: v for k, v in request.params.items() if k != "max_tokens"})
+    kw = dict(request.params)
     if kw.get("structured_outputs"):
         kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
     if kw.get("logit_bias"):
@@ -49,11 +53,11 @@ class Parsers:
             raise EngineStartError(f"reasoning_parser {reasoning_parser!r} does not fit this model's tokenizer: "
                                    f"{exc}") from None
 
-    def parse(self, choice: Any, parse: dict[str, Any]) -> None:
-        """Split ``choice.text`` into reasoning, answer and tool calls (in place); nothing when there is no parser
-        for what ``parse`` asks."""
-        reasoning_wanted = parse.get("reasoning") and self.reasoning is not None
-        tools = parse.get("tools")
+    def parse(self, choice: Any, parse: Any) -> None:
+        """Split ``choice.text`` into reasoning, answer and tool calls (in place) as ``parse`` (a
+        :class:`~spark_llm.engine_host.protocol.Parse`) asks; nothing when there is no parser for it."""
+        reasoning_wanted = parse.reasoning and self.reasoning is not None
+        tools = parse.tools
         if not reasoning_wanted and not (tools and self.tool_parser_cls):
             return
         request = _chat_request(tools)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from ..engine_host.protocol import EngineTask
 from ..errors import truncate
 from . import chat, common
 from .common import Answer, Checked, Reply, invalid, json_type, unsupported
@@ -18,6 +19,7 @@ from .common import Answer, Checked, Reply, invalid, json_type, unsupported
 URL = "/v1/responses"
 KIND = "responses"
 PARSE_REASONING = True
+TASK = EngineTask.GENERATE
 FIELDS = (common.SAMPLING_FIELDS | common.HARMLESS_FIELDS
           | {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "parallel_tool_calls",
              "reasoning", "truncation", "include"}

@@ -14,10 +14,11 @@ from .client import (EngineClient, Executor, engine_for, engines_here, prestart,
                      stop_engines_here)
 from .placement import TaskPlace
 from .directory import ENGINE_DIR_ENV, LOCAL_EXECUTOR_ENV, Slot, engine_dir, read_events
-from .protocol import EngineDied, EngineGone, Output, RequestFailure
+from .protocol import EngineDied, EngineGone, EngineRequest, EngineTask, Output, Parse, RequestFailure
 from .spec import VLLM_MIN_VERSION, EngineSpec, ProcessSettings, apply_worker_env
 
 __all__ = ["ENGINE_DIR_ENV", "LOCAL_EXECUTOR_ENV", "VLLM_MIN_VERSION", "EngineClient", "EngineDied", "EngineGone",
-           "EngineSpec", "Executor", "Output", "ProcessSettings", "RequestFailure", "Slot", "TaskPlace",
+           "EngineRequest", "EngineSpec", "EngineTask", "Executor", "Output", "Parse", "ProcessSettings",
+           "RequestFailure", "Slot", "TaskPlace",
            "apply_worker_env", "engine_dir", "engine_for", "engines_here", "prestart", "prestart_slots",
            "read_events", "stop_engine", "stop_engines_here"]

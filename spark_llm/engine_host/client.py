@@ -51,7 +51,7 @@ from ..host import is_process, lock, process_alive, try_lock, write_private
 from .directory import (STOP_TIMEOUT_SECONDS, SlotFile, Slot, alive, engine_dir, executor_pid, process_record,
                         start_failed_marker)
 from .placement import TaskPlace
-from .protocol import STREAM_CHUNK, Ask, EngineDied, EngineGone, Output, Reply, RequestFailure
+from .protocol import STREAM_CHUNK, Ask, EngineDied, EngineGone, EngineRequest, Output, Reply, RequestFailure
 from .spec import EngineSpec, ProcessSettings, apply_worker_env
 
 log = logging.getLogger(__name__)
@@ -175,14 +175,13 @@ class EngineClient:
             self.rebuild_seconds += time.monotonic() - t0
         self.rebuilds += died
 
-    def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list[Output | RequestFailure]:
-        """One result per (prompt token ids, SamplingParams keyword arguments, what to parse out of the answer:
-        ``{"reasoning": bool, "tools": [...]}``), in order."""
+    def generate(self, requests: list[EngineRequest]) -> list[Output | RequestFailure]:
+        """One result per request, in order."""
         results: list = [None] * len(requests)
         self.stream(requests, results.__setitem__)
         return results
 
-    def stream(self, requests: list[tuple[list[int], dict, dict]],
+    def stream(self, requests: list[EngineRequest],
                on_result: Callable[[int, "Output | RequestFailure"], None],
                starting: Optional[Callable[[], None]] = None) -> None:
         """:meth:`generate`, streamed: ``on_result(index, result)`` as each request finishes (in the order they

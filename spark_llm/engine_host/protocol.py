@@ -11,17 +11,19 @@ A task's connection (:mod:`~spark_llm.engine_host.client`) carries calls, one af
     engine -> task   (Reply.DONE, None) | (Reply.DEAD, why) | (Reply.GONE, why) | (Reply.ERROR, why)
 
 or one ``(Ask.SHUTDOWN,)`` (another engine needs the devices: the server stops once the calls under way end). A
-request is ``(prompt token ids, SamplingParams keyword arguments, what to parse out of the answer)``.
+request is an :class:`EngineRequest`; its answer an :class:`Output` of its :class:`EngineTask`, or a
+:class:`RequestFailure`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from enum import Enum
+from typing import Any, NamedTuple, Optional
 
 #: Version of what crosses the socket, part of every engine's key: a task never talks to an engine server of an
 #: older spark_llm that may still be running on the host.
-PROTOCOL = 5
+PROTOCOL = 6
 #: Requests per message of a streamed call: the engine starts on the first chunk while the rest are on their way.
 STREAM_CHUNK = 256
 
@@ -44,6 +46,41 @@ class Reply:
     DONE = "done"
     DEAD = "dead"        #: the engine died with the call in flight
     ERROR = "error"      #: a fault of the engine server, not of a request: the call's requests got no answer
+
+
+class EngineTask(str, Enum):
+    """What an engine does with a request: vLLM's generation, or one of its pooling tasks. Each endpoint module names
+    the task it needs (``TASK``); the engine server calls vLLM for it (a pooling task: :data:`POOLING_CALLS`)."""
+
+    GENERATE = "generate"
+    EMBED = "embed"
+
+    @property
+    def runner(self) -> str:
+        """The vLLM runner of the engines that do this task (``runner`` in the settings): generate or pooling."""
+        return "generate" if self is EngineTask.GENERATE else "pooling"
+
+
+#: The ``vllm.LLM`` method that does each pooling task, over whole calls (a new pooling task is a line here).
+POOLING_CALLS = {EngineTask.EMBED: "embed"}
+
+
+class Parse(NamedTuple):
+    """What the engine parses out of a generated answer (:class:`~spark_llm.endpoints.engine_side.Parsers`)."""
+
+    reasoning: bool = False             #: split the reasoning from the answer (the endpoint's PARSE_REASONING)
+    tools: Optional[list[dict]] = None  #: the request's tools, when it lets the model call them: find the calls
+
+
+class EngineRequest(NamedTuple):
+    """One prompt of a request, as it crosses to the engine (a named tuple: it pickles as cheaply as a tuple)."""
+
+    token_ids: list[int]
+    params: dict[str, Any]  #: SamplingParams (generate) or PoolingParams (pooling tasks) keyword arguments, as JSON
+    task: EngineTask = EngineTask.GENERATE
+    parse: Parse = Parse()
+    adapter: Optional[str] = None  #: the LoRA adapter to run it with (None: the base model)
+    images: tuple[bytes, ...] = ()  #: the request's images as read, decoded by the engine
 
 
 @dataclass
@@ -70,30 +107,30 @@ class Choice:
 
 @dataclass
 class Output:
-    """One request's answer, shaped like vLLM's ``RequestOutput`` as far as the response bodies read it."""
+    """One request's answer, shaped like vLLM's ``RequestOutput`` as far as the response bodies read it: the choices
+    of a generation, or a pooling task's result (``task`` says which)."""
 
     prompt_token_ids: list[int]
     outputs: list[Choice]
     num_cached_tokens: int = 0  #: prompt tokens served from vLLM's prefix cache
-    embedding: Optional[list[float]] = None  #: a pooling engine's answer
+    task: EngineTask = EngineTask.GENERATE
+    embedding: Optional[list[float]] = None  #: :attr:`EngineTask.EMBED`'s answer
 
     @classmethod
-    def of(cls, out: Any) -> "Output":
-        """vLLM's ``RequestOutput`` (or ``EmbeddingRequestOutput``) as plain data."""
+    def of(cls, out: Any, task: EngineTask = EngineTask.GENERATE) -> "Output":
+        """vLLM's answer to a request of ``task`` as plain data: a ``RequestOutput``, or the ``PoolingRequestOutput``
+        of a pooling task (``EmbeddingRequestOutput`` for :attr:`EngineTask.EMBED`)."""
         def logprobs(c: Any) -> Optional[list[dict[int, TokenLogprob]]]:
             if c.logprobs is None:
                 return None
             return [{int(t): TokenLogprob(float(lp.logprob), lp.rank, lp.decoded_token) for t, lp in pos.items()}
                     for pos in c.logprobs]
 
-        cached = int(getattr(out, "num_cached_tokens", 0) or 0)
-        if hasattr(out.outputs, "embedding"):  # EmbeddingRequestOutput: one vector, no choices
-            return cls(prompt_token_ids=list(out.prompt_token_ids or []), outputs=[], num_cached_tokens=cached,
-                       embedding=[float(x) for x in out.outputs.embedding])
-        return cls(prompt_token_ids=list(out.prompt_token_ids or []),
-                   outputs=[Choice(c.index, c.text, list(c.token_ids), c.finish_reason, logprobs(c))
-                            for c in out.outputs],
-                   num_cached_tokens=cached)
+        prompt, cached = list(out.prompt_token_ids or []), int(getattr(out, "num_cached_tokens", 0) or 0)
+        if task is EngineTask.EMBED:
+            return cls(prompt, [], cached, task, embedding=[float(x) for x in out.outputs.embedding])
+        return cls(prompt, [Choice(c.index, c.text, list(c.token_ids), c.finish_reason, logprobs(c))
+                            for c in out.outputs], cached, task)
 
 
 @dataclass

@@ -18,7 +18,8 @@ every request in flight through the isolating path (:func:`~spark_llm.engine_hos
 whose bisection finds the request at fault. A dead engine (``EngineDeadError``) answers every stream ``dead`` and
 the process ends: its tasks rebuild it and set the request that killed it aside
 (:mod:`~spark_llm.engine_host.isolation`, which runs a partition with deaths on record alone on the engine).
-Embedding engines (vLLM's pooling runner) take whole calls, one at a time.
+A pooling engine (vLLM's pooling runner: embeddings) takes whole calls, one at a time, each request's task done by
+its ``vllm.LLM`` method (:data:`~spark_llm.engine_host.protocol.POOLING_CALLS`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ..media import decode
 from ..host import process_alive, try_lock, write_private
 from .directory import STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, engine_dir, event, process_record
 from .isolation import generate_isolating, is_fatal
-from .protocol import Ask, Output, Reply, RequestFailure
+from .protocol import POOLING_CALLS, Ask, EngineRequest, EngineTask, Output, Reply, RequestFailure
 from .spec import EngineSpec, build_engine, seeded_for, shutdown_engine
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class _InFlight:
 
     stream: _Stream
     index: int
-    request: tuple
+    request: EngineRequest
     internal: str
 
 
@@ -138,7 +139,7 @@ class EngineServer:
         self.slot, self.key, self.watch_pid, self.idle_timeout = slot, key, watch_pid, idle_timeout
         self.engine: Any = None
         self.parsers: Any = None
-        self.pooling = False  #: an embedding engine (vLLM's pooling runner)
+        self.runner = "generate"  #: vLLM's runner: generate, or pooling (whole calls; EngineTask.runner)
         self.adapters: dict[Optional[str], Any] = {}  #: adapter name -> vLLM LoRARequest (None: the base model)
         #: what the connection and watch threads hand the engine loop: ("take", stream, chunk), ("call", stream,
         #: requests) for pooling engines, ("stop", reason, code, when) with when "now", "when idle" or "if idle"
@@ -199,7 +200,7 @@ class EngineServer:
                 stream.end(Reply.GONE, f"the engine of slot {self.slot.name} is stopping ({self.stopping[0]})")
                 _receive(conn, total)
                 return True
-            if self.pooling:  # vLLM's pooling runner takes whole calls only
+            if self.runner == "pooling":  # vLLM's pooling runner takes whole calls only
                 self.inbox.put(("call", stream, _receive(conn, total)))
             else:
                 received = 0
@@ -246,7 +247,7 @@ class EngineServer:
                 for out in outs:
                     if out.finished and (entry := flight.pop(out.request_id, None)) is not None:
                         finished.setdefault(entry.stream, []).append(
-                            (entry.index, self._result(out, entry.request[2])))
+                            (entry.index, self._result(out, entry.request)))
                 for stream, results in finished.items():
                     self._answer(stream, results)
             except Exception as exc:
@@ -403,46 +404,65 @@ class EngineServer:
             stream.sender.close()
         self.stop(f"engine dead: {exc}", code=1)
 
-    def generate(self, requests: list[tuple[list[int], dict, dict]]) -> list:
-        """Results of ``requests`` from one blocking engine call; a request the engine rejects is found by bisection
-        (:func:`~spark_llm.engine_host.isolation.generate_isolating`) and becomes its failure. For pooling engines and
-        for the requests in flight when a step raised."""
+    def generate(self, requests: list[EngineRequest]) -> list:
+        """Results of ``requests`` from blocking engine calls, one per task among them; a request the engine rejects
+        is found by bisection (:func:`~spark_llm.engine_host.isolation.generate_isolating`) and becomes its failure.
+        For pooling engines and for the requests in flight when a step raised."""
         results: list = [None] * len(requests)
-        prompts, params, adapters, index = [], [], [], []
+        by_task: dict[EngineTask, list[int]] = {}
         for i, request in enumerate(requests):
-            prepared = engine_inputs(request, self.pooling)
+            by_task.setdefault(request.task, []).append(i)
+        for task, index in by_task.items():
+            for i, result in zip(index, self._call(task, [requests[i] for i in index])):
+                results[i] = result
+        return results
+
+    def _call(self, task: EngineTask, requests: list[EngineRequest]) -> list:
+        """:meth:`generate` for requests of one task."""
+        results: list = [None] * len(requests)
+        prompts, paired, index = [], [], []
+        for i, request in enumerate(requests):
+            prepared = self.engine_inputs(request)
             if isinstance(prepared, RequestFailure):
                 results[i] = prepared
                 continue
-            prompt, sampling = prepared
+            prompt, params = prepared
             prompts.append(prompt)
-            params.append(sampling)
-            adapters.append(self.adapters.get(request[2].get("adapter")))
+            # the adapter of each request rides with its settings, so that bisection keeps them paired
+            paired.append((params, self.adapters.get(request.adapter)))
             index.append(i)
-        # the adapter of each request rides with its sampling settings, so that bisection keeps them paired
-        paired = list(zip(params, adapters))
+        call = self.engine.generate if task is EngineTask.GENERATE else getattr(self.engine, POOLING_CALLS[task])
 
         def run(p: list, s: list) -> list:
             lora = [a for _, a in s] if any(a is not None for _, a in s) else None
-            if self.pooling:
-                return self.engine.embed(p, pooling_params=[x for x, _ in s], lora_request=lora, use_tqdm=False)
-            return self.engine.generate(p, [x for x, _ in s], lora_request=lora, use_tqdm=False)
-        outs = generate_isolating(run, prompts, paired)
+            params = [x for x, _ in s]
+            if task is EngineTask.GENERATE:
+                return call(p, params, lora_request=lora, use_tqdm=False)
+            return call(p, pooling_params=params, lora_request=lora, use_tqdm=False)
+        outs = generate_isolating(run, prompts, paired) if prompts else []
         for i, out in zip(index, outs):
             if isinstance(out, BaseException):
                 if is_fatal(out):
                     raise out
                 results[i] = RequestFailure("engine", f"{type(out).__name__}: {out}")
                 continue
-            results[i] = self._result(out, requests[i][2])
+            results[i] = self._result(out, requests[i])
         return results
 
-    def _result(self, out: Any, parse: dict) -> "Output | RequestFailure":
-        """A finished vLLM output as what crosses the socket, its answers parsed as ``parse`` asks."""
-        result = Output.of(out)
+    def engine_inputs(self, request: EngineRequest) -> "tuple[dict, Any] | RequestFailure":
+        """vLLM's prompt and settings of a request (:func:`engine_inputs`), or why it has none; a task this engine's
+        runner does not do is refused (validation sends each endpoint's lines to a model that does it)."""
+        if request.task.runner != self.runner:
+            return RequestFailure("invalid", f"this engine runs vLLM's {self.runner} runner, which does not do "
+                                             f"{request.task.value}")
+        return engine_inputs(request)
+
+    def _result(self, out: Any, request: EngineRequest) -> "Output | RequestFailure":
+        """A finished vLLM output as what crosses the socket, its answers parsed as the request asks."""
+        result = Output.of(out, request.task)
         try:
             for choice in result.outputs:
-                self.parsers.parse(choice, parse)
+                self.parsers.parse(choice, request.parse)
         except Exception as exc:  # a parser bug on one odd answer is that request's error, not the batch's
             return RequestFailure("engine", f"parsing the answer failed: {type(exc).__name__}: {exc}")
         return result
@@ -452,7 +472,7 @@ class EngineServer:
         refused, each found by adding the chunk's requests one by one when the chunk as a whole was refused."""
         failed, ready = [], []
         for index, request in chunk:
-            prepared = engine_inputs(request)
+            prepared = self.engine_inputs(request)
             if isinstance(prepared, RequestFailure):
                 failed.append((index, prepared))
             else:
@@ -460,7 +480,7 @@ class EngineServer:
                 ready.append((index, request, params, prompt))
 
         def add(items: list) -> None:
-            loras = [self.adapters.get(r[2].get("adapter")) for _, r, _, _ in items]
+            loras = [self.adapters.get(request.adapter) for _, request, _, _ in items]
             ids = self.engine.enqueue([prompt for *_, prompt in items], [p for _, _, p, _ in items],
                                       lora_request=loras if any(a is not None for a in loras) else None,
                                       use_tqdm=False)
@@ -516,27 +536,27 @@ class EngineServer:
                 self.inbox.put(("stop", f"idle for {idle:.0f}s", 0, "if idle"))
 
 
-def engine_inputs(request: tuple, pooling: bool = False) -> "tuple[dict, Any] | RequestFailure":
-    """vLLM's prompt (:func:`engine_prompt`) and SamplingParams (PoolingParams for a pooling engine) of a request,
-    or why it has none: a bad image (its code), or settings vLLM refuses (``invalid``)."""
-    from ..endpoints.engine_side import sampling_params
+def engine_inputs(request: EngineRequest) -> "tuple[dict, Any] | RequestFailure":
+    """vLLM's prompt (:func:`engine_prompt`) and settings (SamplingParams, or PoolingParams for a pooling task) of a
+    request, or why it has none: a bad image (its code), or settings vLLM refuses (``invalid``)."""
+    from ..endpoints.engine_side import engine_params
 
     try:
-        return engine_prompt(request), sampling_params(request[1], pooling)
+        return engine_prompt(request), engine_params(request)
     except RequestError as exc:
         return RequestFailure("image", exc.message, exc.code.value)
     except Exception as exc:
         return RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
 
 
-def engine_prompt(request: tuple) -> dict:
-    """vLLM's prompt for a request (prompt token ids, SamplingParams keyword arguments, what to parse, and, for a
-    request with images, their bytes): the token ids, and the images decoded, here and only here
+def engine_prompt(request: EngineRequest) -> dict:
+    """vLLM's prompt for a request: its token ids, and its images decoded, here and only here
     (:func:`~spark_llm.media.decode`; vLLM's processor resizes them and expands each image's placeholder token)."""
-    prompt: dict[str, Any] = {"prompt_token_ids": request[0]}
-    if len(request) > 3 and request[3]:
-        prompt["multi_modal_data"] = {"image": [decode(data, f"image {k + 1} of {len(request[3])}")
-                                                for k, data in enumerate(request[3])]}
+    prompt: dict[str, Any] = {"prompt_token_ids": request.token_ids}
+    if request.images:
+        count = len(request.images)
+        prompt["multi_modal_data"] = {"image": [decode(data, f"image {k + 1} of {count}")
+                                                for k, data in enumerate(request.images)]}
     return prompt
 
 
@@ -694,7 +714,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     try:
         server.engine = build_engine(spec)
         server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs
-        server.pooling = spec.settings.get("runner") == "pooling"
+        server.runner = "pooling" if spec.settings.get("runner") == "pooling" else "generate"
         server.adapters = lora_requests(spec.settings.get("lora_modules") or {})
         server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
                                  spec.settings.get("reasoning_parser"))
