@@ -160,11 +160,11 @@ def engines_from_args(args: argparse.Namespace) -> int:
     from .engine_host import engines_here, stop_engine
 
     for slot, info in engines_here():
-        state = "ready" if info.get("authkey") else "starting"
+        state = "ready" if info.listening else "starting"
         if args.action == "stop":
             stop_engine(slot, info)
             state = "stopped"
-        print(f"{slot.name}\tpid {info['pid']}\t{state}\tdevices {','.join(slot.devices) or '-'}")
+        print(f"{slot.name}\tpid {info.pid}\t{state}\tdevices {','.join(slot.devices) or '-'}")
     return 0
 
 

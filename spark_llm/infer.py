@@ -186,7 +186,7 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
                     custom_ids = {str(pdf["custom_id"].iat[i]) for i in rows}
                     faults.before_engine_call(custom_ids)
                     engine.stream([requests[j] for j in idx], got,
-                                  starting=lambda: faults.engine_call_starting(custom_ids, engine.info.get("pid")))
+                                  starting=lambda: faults.engine_call_starting(custom_ids, engine.info.pid))
                     if marker is not None:
                         journal.clear(marker)
         except EngineGone as exc:  # lost before the call (under the slot's other feeder): nothing was in flight
@@ -283,6 +283,6 @@ def _metrics_record(ctx: InferContext, pdf: Any, rows: list, times: tuple[float,
     return {"wave": ctx.wave, "partition": ctx.partition(pdf), "model": ctx.served_model_name,
             "worker_pid": os.getpid(), "rows": len(rows), "prompt_tokens": p_tok, "completion_tokens": c_tok,
             "engine_load_seconds": round(engine.load_seconds, 3), "engine_seconds": round(engine_s, 3),
-            "engine_slot": engine.slot.name, "engine_pid": engine.info.get("pid"), "gpus": ",".join(gpus or []),
+            "engine_slot": engine.slot.name, "engine_pid": engine.info.pid, "gpus": ",".join(gpus or []),
             "tokens_per_second": round((p_tok + c_tok) / engine_s, 1) if engine_s > 0 else 0.0,
             "errors_by_code": json.dumps(errors, sort_keys=True), "started_at": started, "finished_at": time.time()}

@@ -59,7 +59,8 @@ _CLASS_INPUTS = ("tokenizer_config.json", "config.json", "tokenizer.json", "spec
 #: importing torch, or another worker's child) before it decides it without waiting.
 DECISION_WAIT_SECONDS = 60.0
 #: Run in a child process by :func:`_decide_class`: :func:`autotokenizer_choice` printed.
-_DECIDE_CLASS = "import sys; from spark_llm.tokenizers import autotokenizer_choice; print(autotokenizer_choice(sys.argv[1]))"
+_DECIDE_CLASS = ("import sys; from spark_llm.tokenizers import autotokenizer_choice; "
+                 "print(autotokenizer_choice(sys.argv[1]))")
 
 
 def load_tokenizer(model_dir: str) -> Any:

@@ -1,7 +1,8 @@
 """Prompt token counting with the served model's tokenizer and chat template, and the context-length guard.
 
-Runs on the executors. The tokenizer is loaded once per Python worker (:mod:`~spark_llm.tokenizers`). The token ids computed here are the ones the
-engine receives, so ``prompt_tokens`` in the outputs equals the engine's ``usage.prompt_tokens`` by construction.
+Runs on the executors. The tokenizer is loaded once per Python worker (:mod:`~spark_llm.tokenizers`). The token
+ids computed here are the ones the engine receives, so ``prompt_tokens`` in the outputs equals the engine's
+``usage.prompt_tokens`` by construction.
 """
 
 from __future__ import annotations

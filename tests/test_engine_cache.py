@@ -27,7 +27,7 @@ def probe(spec: EngineSpec, prompt_ids: list[int]):
             with engine_for(spec, ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING"),
                             TaskPlace(local_engines=2, feeds=2)) as engine:
                 [out] = engine.generate([EngineRequest(prompt_ids, {"max_tokens": 6, "temperature": 0})])
-            yield pd.DataFrame({"worker": [os.getpid()], "slot": [engine.slot.name], "engine": [engine.info["pid"]],
+            yield pd.DataFrame({"worker": [os.getpid()], "slot": [engine.slot.name], "engine": [engine.info.pid],
                                 "tokens": [",".join(map(str, out.outputs[0].token_ids))], "rows": [len(pdf)]})
     return run
 
@@ -77,7 +77,7 @@ def test_engines_started_together_are_forked_from_one_process_each_failing_on_it
     slots = [Slot.cpu(n, executor=os.getpid()) for n in range(2)]
     process = ProcessSettings(engine_idle_timeout_seconds=0, engine_log_level="WARNING")
     assert prestart_slots(spec, process, slots, Executor(os.getpid(), dict(os.environ))) == slots
-    [launcher] = {s.starting_record()["pid"] for s in slots}
+    [launcher] = {s.starting_record().pid for s in slots}
     for slot in slots:
         with pytest.raises(EngineStartError, match="no-such-model"):
             await_server(slot, launcher)

@@ -13,6 +13,7 @@ from spark_llm.config import BatchConfig, ConfigError
 from spark_llm.engine_host import EngineSpec, TaskPlace
 from spark_llm.engine_host.isolation import generate_isolating
 from spark_llm.engine_host.placement import LocalMaster, check_gpu_settings, inference_profile, select_gpus
+from spark_llm.engine_host.protocol import SlotRecord
 from spark_llm.errors import EngineStartError
 
 
@@ -184,7 +185,7 @@ def test_a_task_awaiting_a_slot_s_engine_follows_the_process_forked_for_the_slot
     try:
         ready, broken = Slot("cpu-test-0"), Slot("cpu-test-1")
         write_private(ready.path(".json"), {"pid": 99999999, "launcher": launcher.pid, "key": "k", "authkey": "x"})
-        assert await_server(ready, launcher.pid)["pid"] == 99999999
+        assert await_server(ready, launcher.pid).pid == 99999999
         write_private(broken.path(".starting"), {"pid": failed.pid, "launcher": launcher.pid, "key": "k"})
         broken.path(".error").write_text("model /m not found")
         with pytest.raises(EngineStartError, match="model /m not found"):
@@ -415,7 +416,7 @@ class Serving:
 
         ours, theirs = Pipe()
         threading.Thread(target=self.server.handle, args=(theirs,), daemon=True).start()
-        return EngineClient(Feed(Slot("cpu-test-0"), 0, 1), {"pid": 0}, False, _conn=ours)
+        return EngineClient(Feed(Slot("cpu-test-0"), 0, 1), SlotRecord(0), False, _conn=ours)
 
 
 def stream_through(fake, requests):
@@ -615,7 +616,7 @@ def test_a_call_to_an_engine_that_has_ended_or_is_stopping_is_gone_not_a_death()
 
     ours, theirs = Pipe()
     theirs.close()  # the engine process ended (its slot's other feeder's request killed it) since the last call
-    client = EngineClient(Feed(Slot("cpu-test-0"), 0, 1), {"pid": 4242}, False, _conn=ours)
+    client = EngineClient(Feed(Slot("cpu-test-0"), 0, 1), SlotRecord(4242), False, _conn=ours)
     with pytest.raises(EngineGone, match="has ended"):
         client.stream([request(10)], lambda i, r: None)
 
@@ -647,7 +648,7 @@ def test_a_feeder_awaiting_an_engine_that_was_ready_and_ended_at_once_finds_it_g
     ready.wait()  # became ready (wrote its info), then ended
     write_private(slot.path(".json"), {"pid": ready.pid, "key": "k", "authkey": "x", "devices": []})
     info = await_server(slot, ready.pid)
-    assert info["pid"] == ready.pid
+    assert info.pid == ready.pid and info.listening and info.key == "k"
     client = EngineClient(Feed(slot, 1, 2), info, False, _conn=connect_or_gone(slot, info))
     with pytest.raises(EngineGone, match="has ended"):
         client.stream([request(10)], lambda i, r: None)
@@ -783,3 +784,11 @@ def test_an_urgent_stream_s_requests_go_into_the_engine_before_an_older_stream_s
     first_urgent = fake.added.index(50)
     assert fake.added[first_urgent:first_urgent + 3] == [50, 51, 52]  # together, as places freed
     assert first_urgent <= 6 and fake.added[-1] == 19  # before most of the older call's rest
+
+
+def test_a_slot_record_reads_back_as_written_and_a_file_that_names_no_process_is_no_record():
+    record = SlotRecord(41, 7, key="k", devices=("0", "1"), launcher=40, authkey="s", load_seconds=1.5)
+    assert SlotRecord.of(json.loads(json.dumps(record.as_json()))) == record and record.listening
+    assert not SlotRecord(41).listening and "authkey" not in SlotRecord(41).as_json()
+    assert SlotRecord.of({"pid": 41, "written_by": "a later spark_llm"}) == SlotRecord(41)
+    assert [SlotRecord.of(x) for x in (None, [], {}, {"pid": "41"})] == [None] * 4

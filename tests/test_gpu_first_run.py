@@ -22,6 +22,7 @@ from spark_llm.config import BatchConfig, ConfigError
 from spark_llm.engine_host import (ENGINE_DIR_ENV, VLLM_MIN_VERSION, EngineDied, EngineSpec, ProcessSettings, Slot,
                                    TaskPlace)
 from spark_llm.engine_host.placement import check_gpu_settings, config_layout, engine_layout
+from spark_llm.engine_host.protocol import SlotRecord
 from spark_llm.errors import EngineStartError
 
 GPUS_2 = {"spark.executor.resource.gpu.amount": "2"}
@@ -171,7 +172,7 @@ def test_a_gpu_whose_engine_cannot_start_fails_its_own_tasks_at_once_not_the_oth
         tried.append(slot.name)
         if slot.name == "gpu-0":
             raise EngineStartError("CUDA error: uncorrectable ECC error on GPU 0")
-        return {"pid": 0, "key": spec.key}, True, False
+        return SlotRecord(0, key=spec.key), True, False
     monkeypatch.setattr(engine_client, "_serving", serving)
     monkeypatch.setattr(engine_client, "connect_or_gone", lambda slot, info: None)
     spec, process = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64)), ProcessSettings(0, "WARNING")
@@ -193,14 +194,14 @@ def test_a_record_whose_pid_now_names_another_process_is_never_signalled(tmp_pat
     other = subprocess.Popen(["sleep", "60"])
     try:
         slot = Slot("cpu-1-0")
-        record = {**process_record(other.pid), "key": "k", "devices": []}
-        write_private(slot.path(".json"), {**record, "pid_started": record["pid_started"] - 1})  # an older process
+        record = process_record(other.pid, key="k")
+        write_private(slot.path(".json"), {**record.as_json(), "pid_started": record.pid_started - 1})  # older
         t0 = time.monotonic()
         assert engines_here() == []
         stop_engines_on(slot)
         assert time.monotonic() - t0 < 5 and other.poll() is None
         # recorded as it is, it is the engine: spark-llm engines stop stops it (it is starting: no socket yet)
-        write_private(slot.path(".starting"), record)
+        write_private(slot.path(".starting"), record.as_json())
         from spark_llm.cli import main
 
         assert main(["engines", "stop"]) == 0
@@ -268,7 +269,7 @@ def test_an_engine_stops_while_loading_when_its_executor_is_gone(tiny_model, tmp
                                               enforce_eager=True))
     slot = Slot.cpu(0, executor=executor.pid)
     assert prestart(spec, ProcessSettings(0, "WARNING"), slot, Executor(executor.pid, dict(os.environ)))
-    engine_pid = slot.starting()["pid"]
+    engine_pid = slot.starting().pid
     until(lambda: any(e["event"] == "start" for e in read_events(tmp_path)), seconds=30)
     executor.kill()
     executor.wait()
@@ -287,8 +288,8 @@ def test_a_notebook_frees_the_gpus_of_its_host_s_engines_now(tmp_path, monkeypat
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
     engine = subprocess.Popen(["sleep", "60"])  # stands in for an engine process still loading
     try:
-        write_private(Slot("gpu-0", ("0",)).path(".starting"), {**process_record(engine.pid), "key": "k",
-                                                                  "devices": ["0"]})
+        write_private(Slot("gpu-0", ("0",)).path(".starting"), process_record(engine.pid, key="k",
+                                                                              devices=("0",)).as_json())
         assert spark_llm.stop_engines() == ["gpu-0"]
         assert engine.wait(10) is not None
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -97,7 +98,7 @@ class FakeEngine:
     task was alone on the engine for it."""
 
     def __init__(self, poison, streams=False):
-        self.poison, self.streams, self.rebuilds, self.info, self.calls = poison, streams, 0, {"pid": None}, []
+        self.poison, self.streams, self.rebuilds, self.info, self.calls = poison, streams, 0, SimpleNamespace(pid=None), []
         self.alone_now, self.alone_calls = False, []
 
     @contextlib.contextmanager

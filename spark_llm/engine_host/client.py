@@ -51,7 +51,8 @@ from ..host import is_process, lock, process_alive, try_lock, write_private
 from .directory import (STOP_TIMEOUT_SECONDS, SlotFile, Slot, alive, engine_dir, executor_pid, process_record,
                         start_failed_marker)
 from .placement import TaskPlace
-from .protocol import STREAM_CHUNK, Ask, EngineDied, EngineGone, EngineRequest, Output, Reply, RequestFailure
+from .protocol import (STREAM_CHUNK, Ask, EngineDied, EngineGone, EngineRequest, Output, Reply, RequestFailure,
+                       SlotRecord)
 from .spec import EngineSpec, ProcessSettings, apply_worker_env
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def _take_first_free(places: Sequence[tuple[Slot, int]]) -> Optional[tuple[Slot,
 @dataclass
 class EngineClient:
     feed: Feed              #: the task's feed of its slot
-    info: dict              #: the server's info: pid, key, devices, load_seconds
+    info: SlotRecord        #: the ready server's record
     started_here: bool      #: this task started the server
     #: seconds this task waited for the slot's engine to load (its own start, or one already under way)
     waited_seconds: float = 0.0
@@ -169,7 +170,7 @@ class EngineClient:
         first starts it; the others wait for that one."""
         t0 = time.monotonic()
         self.close()
-        self.info, _, awaited = _serving(self.slot, self._spec, self._process, dead=self.info.get("pid"))
+        self.info, _, awaited = _serving(self.slot, self._spec, self._process, dead=self.info.pid)
         self._conn = connect_or_gone(self.slot, self.info)
         if awaited:
             self.rebuild_seconds += time.monotonic() - t0
@@ -199,7 +200,7 @@ class EngineClient:
         except EngineHung as exc:  # nothing of the call was sent: find or start the slot's next engine
             raise EngineGone(str(exc)) from None
         except (EOFError, OSError):
-            status, value = Reply.GONE, f"the engine process (pid {self.info.get('pid')}) has ended"
+            status, value = Reply.GONE, f"the engine process (pid {self.info.pid}) has ended"
         if status == Reply.GONE:
             raise EngineGone(f"engine of slot {self.slot.name}: {value}")
         try:
@@ -216,7 +217,7 @@ class EngineClient:
                 for index, result in value:
                     on_result(index, result)
         except (EOFError, OSError) as exc:
-            raise EngineDied(f"the engine process of slot {self.slot.name} (pid {self.info.get('pid')}) died "
+            raise EngineDied(f"the engine process of slot {self.slot.name} (pid {self.info.pid}) died "
                              f"during a call ({type(exc).__name__}); see {self.slot.path(SlotFile.LOG)}") from None
         if status == Reply.DEAD:
             raise EngineDied(f"engine of slot {self.slot.name}: {value}")
@@ -232,7 +233,7 @@ class EngineClient:
         timeout = getattr(self._process, "engine_call_timeout_seconds", None) or CALL_TIMEOUT_SECONDS
         if not self._conn.poll(timeout):
             signal_engine(self.info, signal.SIGKILL)
-            raise EngineHung(f"the engine of slot {self.slot.name} (pid {self.info.get('pid')}) sent nothing for "
+            raise EngineHung(f"the engine of slot {self.slot.name} (pid {self.info.pid}) sent nothing for "
                              f"{timeout:.0f}s and was stopped as hung (engine_call_timeout_seconds); see "
                              f"{self.slot.path(SlotFile.LOG)}")
         return self._conn.recv()
@@ -242,13 +243,13 @@ class EngineClient:
             self._conn.close()
 
 
-def _connect(slot: Slot, info: dict) -> Any:
+def _connect(slot: Slot, info: SlotRecord) -> Any:
     from multiprocessing.connection import Client
 
-    return Client(slot.socket(), family="AF_UNIX", authkey=info["authkey"].encode())
+    return Client(slot.socket(), family="AF_UNIX", authkey=(info.authkey or "").encode())
 
 
-def connect_or_gone(slot: Slot, info: dict) -> Any:
+def connect_or_gone(slot: Slot, info: SlotRecord) -> Any:
     """A connection to the server that was ready, or None when it has ended since (the slot's other feeder's first
     request may have killed it): the task's first call finds it gone (:class:`EngineGone`) and starts the next."""
     try:
@@ -284,8 +285,8 @@ def engine_for(spec: EngineSpec, process: ProcessSettings, place: TaskPlace,
 
 
 def _serving(slot: Slot, spec: Any, process: ProcessSettings,
-             dead: Optional[int] = None) -> tuple[dict, bool, bool]:
-    """The info of ``slot``'s engine server for ``spec``, ready: the running one, the one starting, else one started
+             dead: Optional[int] = None) -> tuple[SlotRecord, bool, bool]:
+    """The record of ``slot``'s engine server for ``spec``, ready: the running one, the one starting, else one started
     now; whether this call started it, and whether it waited for it to load. ``dead``: the pid of a server whose
     engine died (or went) under the caller, which is never the answer (a lingering one is stopped). Decided under
     the slot's start lock, so the feeders of a slot start one engine between them; the wait for it to load is
@@ -293,15 +294,15 @@ def _serving(slot: Slot, spec: Any, process: ProcessSettings,
     fd = lock(slot.path(SlotFile.START_LOCK))
     try:
         info = slot.serving()
-        if info is not None and info.get("key") == spec.key and info.get("pid") != dead:
+        if info is not None and info.key == spec.key and info.pid != dead:
             try:
                 _connect(slot, info).close()
                 return info, False, False
             except Exception:  # on its way out (its executor just ended): start a fresh one
                 pass
         starting = slot.starting()
-        if starting is not None and starting.get("key") == spec.key and starting.get("pid") != dead:
-            pid, proc = int(starting["pid"]), None
+        if starting is not None and starting.key == spec.key and starting.pid != dead:
+            pid, proc = starting.pid, None
         else:
             stop_engines_on(slot)
             proc = _spawn_server([slot], spec, process)
@@ -341,7 +342,7 @@ def prestart_slots(spec: Any, process: ProcessSettings, slots: Sequence[Slot],
             if fd is None:
                 continue
             locks.append(fd)
-            if any(x is not None and x.get("key") == spec.key for x in (slot.serving(), slot.starting())):
+            if any(x is not None and x.key == spec.key for x in (slot.serving(), slot.starting())):
                 continue
             stop_engines_on(slot)
             started.append(slot)
@@ -359,21 +360,21 @@ def stop_engines_on(slot: Slot) -> None:
     wait until they are gone (they release their device locks when their process ends)."""
     for other, info in engines_here():
         if other.name == slot.name or set(other.devices) & set(slot.devices):
-            log.info("stopping engine %s (pid %d) to free slot %s", other.name, info["pid"], slot.name)
+            log.info("stopping engine %s (pid %d) to free slot %s", other.name, info.pid, slot.name)
             stop_engine(other, info)
 
 
-def engines_here() -> list[tuple[Slot, dict]]:
+def engines_here() -> list[tuple[Slot, SlotRecord]]:
     """This host's engine servers, ready or starting, whose process still runs (each slot once: its ready server,
     else the one starting)."""
-    found: dict[str, tuple[Slot, dict]] = {}
+    found: dict[str, tuple[Slot, SlotRecord]] = {}
     for suffix in (SlotFile.READY, SlotFile.STARTING):
         for path in sorted(engine_dir().glob(f"*{suffix}")):
             name = path.name[:-len(suffix)]
             slot = Slot(name)
             info = slot.serving() if suffix == SlotFile.READY else slot.starting()
             if info is not None and name not in found:
-                found[name] = (Slot(name, tuple(info.get("devices") or ())), info)
+                found[name] = (Slot(name, info.devices), info)
     return list(found.values())
 
 
@@ -386,13 +387,13 @@ def stop_engines_here() -> list[str]:
     return [slot.name for slot, _ in found]
 
 
-def stop_engine(slot: Slot, info: dict, timeout: float = STOP_TIMEOUT_SECONDS) -> None:
+def stop_engine(slot: Slot, info: SlotRecord, timeout: float = STOP_TIMEOUT_SECONDS) -> None:
     """Stop the engine server ``info`` (a ready one asked over its socket, one still starting by SIGTERM) and wait
     for its process to end, killing it after ``timeout``. A signal only ever goes to the process recorded, never to
     another that got its pid since (:func:`~spark_llm.engine_host.directory.alive`)."""
-    pid, started = info["pid"], info.get("pid_started")
+    pid, started = info.pid, info.pid_started
     asked = False
-    if info.get("authkey"):
+    if info.listening:
         with contextlib.suppress(Exception):
             _connect(slot, info).send((Ask.SHUTDOWN,))
             asked = True
@@ -404,12 +405,12 @@ def stop_engine(slot: Slot, info: dict, timeout: float = STOP_TIMEOUT_SECONDS) -
     signal_engine(info, signal.SIGKILL)
 
 
-def signal_engine(info: dict, signum: int) -> bool:
+def signal_engine(info: SlotRecord, signum: int) -> bool:
     """Send ``signum`` to the engine process ``info`` names, if that process still runs and is the one recorded."""
     if alive(info) is None:
         return False
     with contextlib.suppress(ProcessLookupError):
-        os.kill(info["pid"], signum)
+        os.kill(info.pid, signum)
         return True
     return False
 
@@ -444,13 +445,13 @@ def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
     for slot in slots:
-        write_private(slot.path(SlotFile.STARTING), process_record(proc.pid, key=spec.key, devices=list(slot.devices),
-                                                                   started_at=time.time()))
+        write_private(slot.path(SlotFile.STARTING), process_record(proc.pid, key=spec.key, devices=slot.devices,
+                                                                   started_at=time.time()).as_json())
     return proc
 
 
-def await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) -> dict:
-    """Wait until the slot's server ``pid`` (or the one it forked for the slot) is ready and return its info; its
+def await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) -> SlotRecord:
+    """Wait until the slot's server ``pid`` (or the one it forked for the slot) is ready and return its record; its
     reason when it could not start. A server that became ready counts as started even when it has ended since (a
     request of the slot's other feeder can kill it between two looks): the caller's first call finds it gone."""
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
@@ -469,16 +470,16 @@ def await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) 
         time.sleep(0.1)
     if proc is not None:
         proc.kill()
-    elif (record := slot.starting()) is not None and record.get("pid") == pid:
+    elif (record := slot.starting()) is not None and record.pid == pid:
         signal_engine(record, signal.SIGKILL)
     raise EngineStartError(f"the engine of slot {slot.name} did not start within {START_TIMEOUT_SECONDS:.0f}s; see "
                            f"{slot.path(SlotFile.LOG)}")
 
 
-def _ready_from(slot: Slot, pid: int) -> Optional[dict]:
-    """The slot's ready info when server ``pid`` (or the engine process it forked for the slot) wrote it."""
+def _ready_from(slot: Slot, pid: int) -> Optional[SlotRecord]:
+    """The slot's ready record when server ``pid`` (or the engine process it forked for the slot) wrote it."""
     info = slot.ready()
-    return info if info is not None and pid in (info.get("pid"), info.get("launcher")) else None
+    return info if info is not None and pid in (info.pid, info.launcher) else None
 
 
 def _still_starting(slot: Slot, pid: int, proc: Optional[subprocess.Popen]) -> bool:
@@ -487,6 +488,6 @@ def _still_starting(slot: Slot, pid: int, proc: Optional[subprocess.Popen]) -> b
     rewrites the record before it exits."""
     running = proc.poll() is None if proc is not None else process_alive(pid)
     record = slot.starting_record()
-    if record is not None and record.get("launcher") == pid:
+    if record is not None and record.launcher == pid:
         return alive(record) is not None
     return running

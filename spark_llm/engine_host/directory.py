@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 
 from ..errors import EngineStartError
 from ..host import is_process, process_start_time, read_record
+from .protocol import SlotRecord
 
 ENGINE_DIR_ENV = "SPARK_LLM_ENGINE_DIR"
 #: Given by a local session spark_llm starts itself (a ``local[N]`` master: its driver's JVM is the only executor) to
@@ -122,21 +123,21 @@ class Slot:
         name = f"{hashlib.sha256(self.name.encode()).hexdigest()[:16]}.sock"
         return str(short / name)
 
-    def ready(self) -> Optional[dict]:
-        """The info the slot's last server wrote when it became ready, alive or not."""
-        return read_record(self.path(SlotFile.READY))
+    def ready(self) -> Optional[SlotRecord]:
+        """The record the slot's last server wrote when it became ready, alive or not."""
+        return SlotRecord.of(read_record(self.path(SlotFile.READY)))
 
-    def starting_record(self) -> Optional[dict]:
+    def starting_record(self) -> Optional[SlotRecord]:
         """The slot's record of a server starting, alive or not: the process started for it, or the engine process
         forked for it by that one (then with ``launcher``, the pid of the process that forked it)."""
-        return read_record(self.path(SlotFile.STARTING))
+        return SlotRecord.of(read_record(self.path(SlotFile.STARTING)))
 
-    def serving(self) -> Optional[dict]:
-        """The slot's ready server's info, if that process still runs."""
+    def serving(self) -> Optional[SlotRecord]:
+        """The slot's ready server's record, if that process still runs."""
         return alive(self.ready())
 
-    def starting(self) -> Optional[dict]:
-        """The slot's server that is starting (pid, key, devices), if that process still runs."""
+    def starting(self) -> Optional[SlotRecord]:
+        """The slot's server that is starting, if that process still runs."""
         return alive(self.starting_record())
 
 
@@ -152,15 +153,15 @@ def start_failed_marker(slot: Slot, key: str, run_id: str) -> Path:
     return engine_dir() / f"start-failed-{slot.name}-{key}-{run_id}.txt"
 
 
-def process_record(pid: int, **fields: Any) -> dict:
+def process_record(pid: int, **fields: Any) -> SlotRecord:
     """A record naming process ``pid`` with its start time, so that a later reader never takes another process that
     got the pid again for it (:func:`alive`)."""
-    return {"pid": pid, "pid_started": process_start_time(pid), **fields}
+    return SlotRecord(pid, process_start_time(pid), **fields)
 
 
-def alive(record: Optional[dict]) -> Optional[dict]:
+def alive(record: Optional[SlotRecord]) -> Optional[SlotRecord]:
     """``record`` while the process it names still runs and is the one recorded (:func:`process_record`)."""
-    if record is None or not is_process(record.get("pid"), record.get("pid_started")):
+    if record is None or not is_process(record.pid, record.pid_started):
         return None
     return record
 

@@ -17,7 +17,7 @@ request is an :class:`EngineRequest`; its answer an :class:`Output` of its :clas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Optional
 
@@ -81,6 +81,52 @@ class EngineRequest(NamedTuple):
     parse: Parse = Parse()
     adapter: Optional[str] = None  #: the LoRA adapter to run it with (None: the base model)
     images: tuple[bytes, ...] = ()  #: the request's images as read, decoded by the engine
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    """A slot's record of its engine server (:mod:`~spark_llm.engine_host.directory`): ``<slot>.starting`` while it
+    starts, ``<slot>.json`` once it listens, which the tasks read to connect to it, or to stop it. A process is named
+    by its pid with its start time, so that a pid the kernel gave another process since is never taken for it."""
+
+    pid: int
+    pid_started: Optional[int] = None  #: :func:`~spark_llm.host.process_start_time` of ``pid``
+    key: str = ""                      #: the engine's settings (:attr:`~spark_llm.engine_host.spec.EngineSpec.key`)
+    devices: tuple[str, ...] = ()
+    launcher: Optional[int] = None     #: the process that forked this one for the slot (CPU slots started together)
+    started_at: Optional[float] = None
+    authkey: Optional[str] = None      #: the socket's key: set once the server listens
+    load_seconds: float = 0.0          #: how long the engine took to load
+
+    @property
+    def listening(self) -> bool:
+        """A ready server's record (it has a socket key), not a starting one's."""
+        return self.authkey is not None
+
+    @classmethod
+    def of(cls, data: Optional[dict]) -> Optional["SlotRecord"]:
+        """The record in a slot file's JSON, or None for none or one that names no process."""
+        if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+            return None
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**{**known, "devices": tuple(str(d) for d in data.get("devices") or ())})
+
+    def as_json(self) -> dict:
+        return {k: list(v) if k == "devices" else v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    """A running engine server's busy seconds so far (``<slot>.stats``; their rate is its busy fraction)."""
+
+    pid: int
+    busy_seconds: float
+
+    @classmethod
+    def of(cls, data: Optional[dict]) -> Optional["SlotStats"]:
+        if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+            return None
+        return cls(data["pid"], float(data.get("busy_seconds") or 0.0))
 
 
 @dataclass

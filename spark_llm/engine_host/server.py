@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -47,7 +47,8 @@ from ..media import decode
 from ..host import process_alive, try_lock, write_private
 from .directory import STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, engine_dir, event, process_record
 from .isolation import generate_isolating, is_fatal
-from .protocol import POOLING_CALLS, Ask, EngineRequest, EngineTask, Output, Reply, RequestFailure
+from .protocol import (POOLING_CALLS, Ask, EngineRequest, EngineTask, Output, Reply, RequestFailure, SlotRecord,
+                       SlotStats)
 from .spec import EngineSpec, build_engine, seeded_for, shutdown_engine
 
 log = logging.getLogger(__name__)
@@ -281,8 +282,7 @@ class EngineServer:
             return
         self.recorded_busy = self.busy_seconds
         with contextlib.suppress(OSError):
-            write_private(self.slot.path(SlotFile.STATS), {"pid": os.getpid(), "busy_seconds": round(
-                self.busy_seconds, 3)})
+            write_private(self.slot.path(SlotFile.STATS), asdict(SlotStats(os.getpid(), round(self.busy_seconds, 3))))
 
     def _take(self, block: bool) -> None:
         """Queue what the connection threads handed over (waiting for something when the engine has nothing to do)
@@ -510,8 +510,8 @@ class EngineServer:
         with self.streams_lock:
             self.stopping = self.stopping or (reason, code)
         with contextlib.suppress(Exception):
-            info = json.loads(self.slot.path(SlotFile.READY).read_text())
-            if info.get("pid") == os.getpid():
+            ready = self.slot.ready()
+            if ready is not None and ready.pid == os.getpid():
                 self.slot.path(SlotFile.READY).unlink()
                 os.unlink(self.slot.socket())
         event(event="stop", slot=self.slot.name, devices=list(self.slot.devices), pid=os.getpid(), key=self.key,
@@ -643,7 +643,8 @@ def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
             os.dup2(log_fd, 2)
             os.close(log_fd)
             return slot, me
-        write_private(slot.path(SlotFile.STARTING), {**record, **process_record(pid), "launcher": me})
+        forked = process_record(pid, key=record.key, devices=record.devices, started_at=record.started_at, launcher=me)
+        write_private(slot.path(SlotFile.STARTING), forked.as_json())
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os._exit(0)
 
@@ -660,12 +661,12 @@ def tokenizer_class_decided(settings: dict) -> Any:
     return deciding_tokenizer_class(path) if isinstance(path, str) and os.path.isdir(path) else contextlib.nullcontext()
 
 
-def _record_of(slot: Slot, pid: int) -> Optional[dict]:
+def _record_of(slot: Slot, pid: int) -> Optional[SlotRecord]:
     """The slot's starting record, once its starter has written it, if it names process ``pid``."""
     deadline = time.monotonic() + RECORD_WAIT_SECONDS
     while (record := slot.starting_record()) is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    return record if record is not None and record.get("pid") == pid else None
+    return record if record is not None and record.pid == pid else None
 
 
 def serve(argv: Optional[Sequence[str]] = None) -> int:
@@ -731,12 +732,11 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(slot.socket())
     listener = Listener(slot.socket(), family="AF_UNIX", authkey=authkey.encode())
-    info = {**process_record(os.getpid()), "slot": slot.name, "devices": list(slot.devices), "key": args.key,
-            "load_seconds": round(load_s, 3), "authkey": authkey, "started_at": time.time(),
-            **({"launcher": launcher} if launcher is not None else {})}
-    write_private(slot.path(SlotFile.READY), info)
+    ready = process_record(os.getpid(), key=args.key, devices=slot.devices, launcher=launcher,
+                           started_at=time.time(), authkey=authkey, load_seconds=round(load_s, 3))
+    write_private(slot.path(SlotFile.READY), ready.as_json())
     with contextlib.suppress(OSError):
-        if (slot.starting_record() or {}).get("pid") == os.getpid():
+        if (starting := slot.starting_record()) is not None and starting.pid == os.getpid():
             slot.path(SlotFile.STARTING).unlink()
     event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
            load_seconds=round(load_s, 3))

@@ -105,6 +105,7 @@ def _engines() -> Iterator[Any]:
 
     from ..engine_host import engines_here
     from ..engine_host.directory import SlotFile
+    from ..engine_host.protocol import SlotStats
     from ..host import read_record
 
     engines = GaugeMetricFamily("spark_llm_engines", "Engine processes of this host", labels=["slot", "state"])
@@ -115,10 +116,10 @@ def _engines() -> Iterator[Any]:
     except Exception:  # the engine directory is not usable here: no engines to report
         found = []
     for slot, info in found:
-        engines.add_metric([slot.name, "ready" if info.get("authkey") else "loading"], 1)
-        stats = read_record(slot.path(SlotFile.STATS)) or {}
-        if stats.get("pid") == info.get("pid"):
-            busy.add_metric([slot.name], float(stats.get("busy_seconds") or 0))
+        engines.add_metric([slot.name, "ready" if info.listening else "loading"], 1)
+        stats = SlotStats.of(read_record(slot.path(SlotFile.STATS)))
+        if stats is not None and stats.pid == info.pid:  # the running server's, not a stopped one's
+            busy.add_metric([slot.name], stats.busy_seconds)
     yield engines
     yield busy
 
