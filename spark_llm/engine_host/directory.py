@@ -6,12 +6,12 @@ directory is trusted with the engines' socket keys and with which process to sig
 or that is reached through a symbolic link is refused.
 
 Per slot ``<name>``: ``.starting`` (the process starting its engine: pid, key, devices) until ``.json`` (the ready
-server: pid, key, devices, socket key, load time); ``.error`` (why its engine could not start); ``.sock``; ``.log``
-(the engine process's output); ``.spec`` (the engine's settings); ``.stats`` (its busy seconds so far);
-``.start.lock`` (held while a task decides to start one); ``.feed-<i>.lock`` (see
-:class:`~spark_llm.engine_host.client.Feed`). Per device: ``device-<d>.lock``, held by the engine process using it
-for its whole life. ``events.jsonl``: one JSON line per engine start, ready and stop, which the tests read as the
-engines' own records.
+server: pid, key, devices, socket key, load time), each a :class:`~spark_llm.engine_host.protocol.SlotRecord`;
+``.error`` (why its engine could not start); ``.sock``; ``.log`` (the engine process's output); ``.spec`` (the
+engine's settings); ``.stats`` (its busy seconds so far); ``.start.lock`` (held while a task decides to start one);
+``.feed-<i>.lock`` (see :class:`~spark_llm.engine_host.client.Feed`). Per device: ``device-<d>.lock``, held by the
+engine process using it for its whole life. ``events.jsonl``: one JSON line per engine start, ready and stop, which
+the tests read as the engines' own records.
 """
 
 from __future__ import annotations
