@@ -196,10 +196,9 @@ def test_a_record_whose_pid_now_names_another_process_is_never_signalled(tmp_pat
         slot = Slot("cpu-1-0")
         record = process_record(other.pid, key="k")
         write_private(slot.path(".json"), {**record.as_json(), "pid_started": record.pid_started - 1})  # older
-        t0 = time.monotonic()
-        assert engines_here() == []
+        assert engines_here() == []  # so stop_engines_on has nothing to stop, nor to wait for
         stop_engines_on(slot)
-        assert time.monotonic() - t0 < 5 and other.poll() is None
+        assert other.poll() is None
         # recorded as it is, it is the engine: spark-llm engines stop stops it (it is starting: no socket yet)
         write_private(slot.path(".starting"), record.as_json())
         from spark_llm.cli import main
