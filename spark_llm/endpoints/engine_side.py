@@ -11,19 +11,18 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from ..engine_host.protocol import Choice, EngineRequest, EngineTask, Parse
 from ..errors import EngineStartError
 
 log = logging.getLogger(__name__)
 
 
-def engine_params(request: Any) -> Any:
+def engine_params(request: EngineRequest) -> Any:
     """vLLM's settings for an :class:`~spark_llm.engine_host.protocol.EngineRequest`: ``SamplingParams`` from the
     keyword arguments its endpoint's ``check`` made for a generation, ``PoolingParams`` for a pooling task (the
     embeddings endpoint's ``dimensions``; ``max_tokens``, kept for the token stage's cost, is no pooling setting)."""
     from vllm import PoolingParams, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
-
-    from ..engine_host.protocol import EngineTask
 
     if request.task is not EngineTask.GENERATE:
         return PoolingParams(**{k: v for k, v in request.params.items() if k != "max_tokens"})
@@ -53,9 +52,9 @@ class Parsers:
             raise EngineStartError(f"reasoning_parser {reasoning_parser!r} does not fit this model's tokenizer: "
                                    f"{exc}") from None
 
-    def parse(self, choice: Any, parse: Any) -> None:
-        """Split ``choice.text`` into reasoning, answer and tool calls (in place) as ``parse`` (a
-        :class:`~spark_llm.engine_host.protocol.Parse`) asks; nothing when there is no parser for it."""
+    def parse(self, choice: Choice, parse: Parse) -> None:
+        """Split ``choice.text`` into reasoning, answer and tool calls (in place) as ``parse`` asks; nothing when
+        there is no parser for it."""
         reasoning_wanted = parse.reasoning and self.reasoning is not None
         tools = parse.tools
         if not reasoning_wanted and not (tools and self.tool_parser_cls):
