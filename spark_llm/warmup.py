@@ -29,12 +29,28 @@ log = logging.getLogger(__name__)
 
 def start_before_session(config: BatchConfig, settings: Mapping[str, str], master: Optional[str],
                          remote: Optional[str]) -> bool:
-    """Before a process makes its Spark session: a ``local[N]`` session's CPU engines start loading
-    (:func:`_prestart_before_session`); nothing for a remote session or one that pyspark's launcher (``spark-submit``)
-    has already started. True when they were started."""
+    """Before a process makes a ``local[N]`` session of its own (``spark-llm run``, ``spark-llm serve``): the main
+    model's CPU engines start loading before the session's JVM does (the JVM, Delta and the first jobs take seconds
+    a loading engine can use), named by this process, as the session will name its executor
+    (:data:`~spark_llm.engine_host.LOCAL_EXECUTOR_ENV`), and ending with it. The run's warm-up
+    (:func:`prestart_here`) finds them starting. A head start only: False, and nothing started, for a remote session,
+    one that pyspark's launcher (``spark-submit``) started already, another master, or settings that do not resolve
+    here (the run says why)."""
     if remote or "PYSPARK_GATEWAY_PORT" in os.environ:
         return False
-    return _prestart_before_session(config, settings, master)
+    conf = local_session_conf(master, settings)
+    if not is_local_master(conf) or has_gpus(conf):
+        return False
+    try:
+        cfg = resolve(config)
+    except Exception:  # the run reports bad settings with its own message
+        return False
+    set_local_environment()  # the environment the session's JVM and Python workers will have
+    executor = Executor(os.getpid(), local_worker_env(conf))
+    layout = config_layout(cfg, conf, lambda: local_parallelism(conf), local_task_threads(conf))
+    spec, process = EngineSpec.from_config(cfg), config_view(ProcessSettings, cfg)
+    prestart_slots(spec, process, layout.place.local_slots(executor.pid), executor)
+    return True
 
 
 class EngineWarmup(EngineJob):
@@ -115,27 +131,6 @@ def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
         log.info("batch %s: the engines start from a warm-up job (%s)", run.batch_id, exc)
         return False
     log.info("batch %s: engines loading on %s", run.batch_id, ", ".join(s.name for s in slots))
-    return True
-
-
-def _prestart_before_session(config: BatchConfig, settings: Mapping[str, str], master: Optional[str]) -> bool:
-    """``spark-llm run`` on a ``local[N]`` master it starts itself: the main model's CPU engines start loading
-    before the session's JVM does (the JVM, Delta and the first jobs take seconds a loading engine can use), named by
-    this process, as the session will name its executor (:data:`~spark_llm.engine_host.LOCAL_EXECUTOR_ENV`), and
-    ending with it. The run's warm-up (:func:`prestart_here`) finds them starting; a head start only: False, and
-    nothing started, when the settings do not resolve here (the run says why) or the session is not of that kind."""
-    conf = local_session_conf(master, settings)
-    if not is_local_master(conf) or has_gpus(conf):
-        return False
-    try:
-        cfg = resolve(config)
-    except Exception:  # the run reports bad settings with its own message
-        return False
-    set_local_environment()  # the environment the session's JVM and Python workers will have
-    executor = Executor(os.getpid(), local_worker_env(conf))
-    layout = config_layout(cfg, conf, lambda: local_parallelism(conf), local_task_threads(conf))
-    spec, process = EngineSpec.from_config(cfg), config_view(ProcessSettings, cfg)
-    prestart_slots(spec, process, layout.place.local_slots(executor.pid), executor)
     return True
 
 

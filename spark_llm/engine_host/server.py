@@ -422,7 +422,7 @@ class EngineServer:
         results: list = [None] * len(requests)
         prompts, paired, index = [], [], []
         for i, request in enumerate(requests):
-            prepared = self.engine_inputs(request)
+            prepared = self._inputs(request)
             if isinstance(prepared, RequestFailure):
                 results[i] = prepared
                 continue
@@ -439,7 +439,7 @@ class EngineServer:
             if task is EngineTask.GENERATE:
                 return call(p, params, lora_request=lora, use_tqdm=False)
             return call(p, pooling_params=params, lora_request=lora, use_tqdm=False)
-        outs = generate_isolating(run, prompts, paired) if prompts else []
+        outs = generate_isolating(run, prompts, paired)
         for i, out in zip(index, outs):
             if isinstance(out, BaseException):
                 if is_fatal(out):
@@ -449,7 +449,7 @@ class EngineServer:
             results[i] = self._result(out, requests[i])
         return results
 
-    def engine_inputs(self, request: EngineRequest) -> "tuple[dict, Any] | RequestFailure":
+    def _inputs(self, request: EngineRequest) -> "tuple[dict, Any] | RequestFailure":
         """vLLM's prompt and settings of a request (:func:`engine_inputs`), or why it has none; a task this engine's
         runner does not do is refused (validation sends each endpoint's lines to a model that does it)."""
         if request.task.runner != self.runner:
@@ -472,7 +472,7 @@ class EngineServer:
         refused, each found by adding the chunk's requests one by one when the chunk as a whole was refused."""
         failed, ready = [], []
         for index, request in chunk:
-            prepared = self.engine_inputs(request)
+            prepared = self._inputs(request)
             if isinstance(prepared, RequestFailure):
                 failed.append((index, prepared))
             else:
