@@ -9,9 +9,14 @@ the same weights and the same tokenizer every time, so greedy decoding gives the
     python scripts/make_tiny_model.py --kind lora --base /tmp/tiny-llm --out /tmp/tiny-lora
     python scripts/make_tiny_model.py --kind embedding --base /tmp/tiny-llm --out /tmp/tiny-embed
     python scripts/make_tiny_model.py --kind vision --out /tmp/tiny-vlm
+    python scripts/make_tiny_model.py --kind classifier --base /tmp/tiny-llm --out /tmp/tiny-moderation
+    python scripts/make_tiny_model.py --kind cross-encoder --base /tmp/tiny-llm --out /tmp/tiny-reranker
 
 ``--kind embedding`` makes a sentence-transformers directory of the tiny Llama (modules.json: the transformer, mean
 pooling, normalisation), which vLLM's pooling runner loads as an embedding model: unit-length vectors of 256 floats.
+``--kind classifier`` makes a multi-label sequence classifier of it (LlamaForSequenceClassification) whose labels
+are OpenAI's 13 moderation categories: vLLM's classify task gives each a sigmoid score. ``--kind cross-encoder``
+makes a one-label classifier of it, a (query, document) relevance scorer for /v1/score and /v1/rerank.
 """
 
 from __future__ import annotations
@@ -229,6 +234,38 @@ def build_embedding(base: Path, out: Path) -> Path:
     return out
 
 
+#: The tiny classifier's labels: OpenAI's moderation categories, as a moderation model's config names its classes.
+MODERATION_LABELS = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
+                     "self-harm", "self-harm/instructions", "self-harm/intent", "sexual", "sexual/minors", "violence",
+                     "violence/graphic")
+
+
+def build_classifier(base: Path, out: Path, *, seed: int = 0, cross_encoder: bool = False) -> Path:
+    """A sequence classifier from the tiny Llama at ``base``: its transformer, and a random head large enough that
+    the sigmoid scores spread over (0, 1). By default multi-label over :data:`MODERATION_LABELS` (some inputs
+    flagged at 0.5, some not); ``cross_encoder``: one label, a relevance score of a (query, document) pair as
+    vLLM's score task and sentence-transformers' CrossEncoder read such a model. Its tokenizer and chat template are
+    the tiny Llama's."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    base, out = Path(base), Path(out)
+    labels = {0: "LABEL_0"} if cross_encoder else dict(enumerate(MODERATION_LABELS))
+    with _model_dir(out) as tmp:
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification.from_pretrained(
+            str(base), num_labels=len(labels), id2label=labels, label2id={v: k for k, v in labels.items()},
+            problem_type=None if cross_encoder else "multi_label_classification", dtype=torch.float32)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, 0.1)
+        model.config.architectures = ["LlamaForSequenceClassification"]
+        model.to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
+        for f in base.iterdir():
+            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+                shutil.copy2(f, tmp / f.name)
+    return out
+
+
 #: The chat template of the tiny vision-language model: the tiny Llama's, with a user turn's image parts written as
 #: one <image> token each, where vLLM's LLaVA processor puts the picture's tokens.
 VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
@@ -285,12 +322,14 @@ def build_vision(out: Path, *, seed: int = 0, vocab_size: int = 4096, max_len: i
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="model directory to create (replaced if it exists)")
-    p.add_argument("--kind", choices=["llm", "lora", "embedding", "vision"], default="llm",
+    p.add_argument("--kind", choices=["llm", "lora", "embedding", "classifier", "cross-encoder", "vision"],
+                   default="llm",
                    help="llm: the tiny Llama; lora: a LoRA adapter for the tiny Llama given by --base; embedding: a "
-                        "sentence-transformers embedding model of it; vision: a LLaVA-shaped vision-language model "
-                        "around a tiny Llama")
-    p.add_argument("--base", help="with --kind lora or embedding: the tiny Llama's directory (embedding: built "
-                                  "first when not given)")
+                        "sentence-transformers embedding model of it; classifier: a moderation classifier of it "
+                        "(OpenAI's categories as labels); cross-encoder: a one-label relevance scorer of it (score, rerank); vision: a LLaVA-shaped vision-language model around a tiny "
+                        "Llama")
+    p.add_argument("--base", help="with --kind lora, embedding, classifier or cross-encoder: the tiny Llama's "
+                                  "directory (built first when not given, but for lora)")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the weights")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size to train")
     p.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings of the model")
@@ -310,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     marker = Path(args.out) / "tiny_model_version"
     if args.if_stale and marker.exists() and marker.read_text().strip() == str(VERSION):
         print(f"tiny model in {args.out} is up to date")
+        return 0
+    if args.kind in ("classifier", "cross-encoder"):
+        with tempfile.TemporaryDirectory() as scratch:
+            base = Path(args.base) if args.base else build_model(Path(scratch) / "llm", seed=args.seed,
+                                                                 vocab_size=args.vocab_size, max_len=args.max_len)
+            out = build_classifier(base, Path(args.out), seed=args.seed, cross_encoder=args.kind == "cross-encoder")
+            print(f"tiny {args.kind} written to {out}")
         return 0
     if args.kind == "vision":
         out = build_vision(Path(args.out), seed=args.seed, vocab_size=args.vocab_size, max_len=args.max_len)

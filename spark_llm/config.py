@@ -25,8 +25,8 @@ DESIGN_NAMES: dict[str, str] = {
 }
 
 #: Setting groups, in the order ``spark-llm run --help`` shows them. Every field names its group once, below.
-GROUPS = ("input", "table input", "output", "model and engine", "sampling defaults", "limits", "images",
-          "partitioning and waves")
+GROUPS = ("input", "table input", "output", "model and engine", "sampling defaults", "moderations", "limits",
+          "images", "partitioning and waves")
 
 
 #: Batch priorities, most urgent first (``priority``; the batch service's ``metadata.priority``).
@@ -58,7 +58,7 @@ class ConfigError(ValueError):
 MODEL_OWN_SETTINGS = ("tokenizer", "max_model_len", "runner", "lora_modules", "reasoning_parser", "tool_call_parser")
 
 #: ModelEntry.kind -> the runner it means.
-KIND_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling"}
+KIND_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling", "classify": "pooling"}
 
 
 class ModelEntry(BaseModel):
@@ -70,9 +70,10 @@ class ModelEntry(BaseModel):
 
     name: str = Field(description="The model's name in body.model and in its responses.")
     path: str = Field(description="Model directory, filesystem URI or Hugging Face repo id, as --model.")
-    kind: Literal["auto", "generate", "embed"] = Field(
-        "auto", description="generate (chat, completions, responses) or embed (embeddings, vLLM's pooling runner); "
-        "auto: read from the model directory, as runner auto.")
+    kind: Literal["auto", "generate", "embed", "classify"] = Field(
+        "auto", description="generate (chat, completions, responses), embed (embeddings) or classify (moderations, "
+        "classify: a sequence classifier), the last two on vLLM's pooling runner; auto: read from the model "
+        "directory, as runner auto.")
 
     @field_validator("name", "path")
     @classmethod
@@ -319,6 +320,20 @@ class BatchConfig(BaseModel):
     default_top_p: float = Field(1.0, gt=0, le=1, description="top_p for requests that give none.",
         json_schema_extra=group("sampling defaults"))
 
+    # ---- moderations ------------------------------------------------------------------------------------------
+    moderation_labels: dict[str, str] = Field(
+        default_factory=dict, description="How the classifier's labels (its config's id2label) map to OpenAI's "
+        "moderation categories (harassment, hate/threatening, self-harm, violence/graphic ...): label -> category, "
+        "or label -> \"\" to leave a label out. A label not given maps to the category of its own name (case, "
+        "'_' for '/' and '-' aside: HATE_THREATENING is hate/threatening); several labels of one category count "
+        "by the highest score. A /v1/moderations line on a model none of whose labels maps is an "
+        "unsupported_endpoint row.",
+        json_schema_extra=group("moderations"))
+    moderation_threshold: float = Field(
+        0.5, ge=0, le=1, description="A category is flagged (categories.X true, the result flagged) when its score "
+        "is at least this.",
+        json_schema_extra=group("moderations"))
+
     # ---- validation limits ------------------------------------------------------------------------------------
     max_line_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Input lines longer than this become line_too_large errors without "
@@ -392,6 +407,17 @@ class BatchConfig(BaseModel):
     def _not_blank(cls, v: Optional[str]) -> Optional[str]:
         if v is not None and not v.strip():
             raise ValueError("must not be empty")
+        return v
+
+    @field_validator("moderation_labels")
+    @classmethod
+    def _categories(cls, v: dict[str, str]) -> dict[str, str]:
+        from .endpoints.moderations import CATEGORIES
+
+        unknown = sorted({c for c in v.values() if c and c not in CATEGORIES})
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} is no OpenAI moderation category; the categories are "
+                             f"{', '.join(CATEGORIES)} (\"\" leaves a label out)")
         return v
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from .config import BatchConfig
 from .engine_host.placement import EngineLayout, config_layout, inference_profile
 from .engine_host.protocol import EngineTask
 from .metrics import ListParam
-from .models import resolve, resolve_models
+from .models import resolve, resolve_models, tasks_of
 from .session import URGENT_POOL, default_parallelism, is_connect, local_task_threads, scheduler_pool, spark_conf
 
 
@@ -116,8 +116,8 @@ class RunContext:
 
     @property
     def has_embeddings(self) -> bool:
-        """A model of the batch runs on the runner that embeds: its vectors also go to the embeddings table."""
-        return any(m.runner == EngineTask.EMBED.runner for m in self.models or (self.cfg,))
+        """A model of the batch embeds: its vectors also go to the embeddings table."""
+        return any(EngineTask.EMBED in tasks_of(m) for m in self.models or (self.cfg,))
 
     def for_model(self, cfg: BatchConfig) -> "RunContext":
         """This run with ``cfg`` (one of :attr:`models`) as the settings its inference stage reads."""

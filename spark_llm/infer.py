@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from . import faults
 from .config import PRIORITIES, config_view
-from .endpoints import BY_KIND, Reply
+from .endpoints import BY_KIND, Classes, Reply, moderations
 from .endpoints.common import with_request_seed
 from .engine_host import (EngineClient, EngineDied, EngineGone, EngineRequest, EngineSpec, EngineTask, Parse,
                           ProcessSettings, RequestFailure, TaskPlace, engine_for)
@@ -56,17 +56,22 @@ class InferContext:
     #: task adds the GPUs Spark gives it
     place: TaskPlace = TaskPlace()
     media: MediaPolicy = MediaPolicy()  #: where the requests' images are read from
+    classes: Classes = Classes()  #: a classifier's labels and what they mean for moderation
 
     @classmethod
     def of_run(cls, run: "RunContext", partition_offset: int = 0) -> "InferContext":
         """The inference tasks' context of a run of one model (``run.cfg``), its partitions numbered after
         ``partition_offset`` (the run's earlier models')."""
+        from .models import class_labels, local_copy
+
         cfg = run.cfg
+        labels = class_labels(local_copy(cfg.model, weights=False)) if cfg.model else ()
         return cls(engine=EngineSpec.from_config(cfg), served_model_name=cfg.served_model_name or "",
                    batch_id=run.batch_id, process=config_view(ProcessSettings, cfg), metrics=run.metrics,
                    journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
                    partition_offset=partition_offset, place=run.layout.place,
-                   priority=PRIORITIES.index(cfg.priority), media=MediaPolicy.of(cfg))
+                   priority=PRIORITIES.index(cfg.priority), media=MediaPolicy.of(cfg),
+                   classes=moderations.classes(labels, cfg.moderation_labels, cfg.moderation_threshold))
 
     @property
     def request_seeds(self) -> Optional[int]:
@@ -100,7 +105,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     def answer(i: int, outputs: list) -> None:
         rows[i]["model"] = options[i].get("adapter") or ctx.served_model_name
         _answer(rows[i], outputs, kinds[i], Reply(rows[i]["request_id"], rows[i]["model"], int(time.time()),
-                                                  options[i]))
+                                                  options[i], ctx.classes))
     for i, failure in unreadable.items():  # an image gone or changed since its tokens were counted
         answer(i, [failure])
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
@@ -221,7 +226,8 @@ def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy, batch_se
                                                                      pdf["prompt_token_ids"], pdf["custom_id"])):
         endpoint, opts = BY_KIND[kind], options[i]
         sampling = json.loads(sampling_json)
-        parse = Parse(endpoint.PARSE_REASONING, opts["tools"] if opts.get("tool_choice") == "auto" else None)
+        parse = Parse(endpoint.PARSE_REASONING, opts["tools"] if opts.get("tool_choice") == "auto" else None,
+                      bool(opts.get("echo_prompt")))
         urls = opts.get("images") or []
         try:
             images = tuple(read_image(u, media, label(k, len(urls), u)) for k, u in enumerate(urls))
@@ -253,7 +259,8 @@ def _answer(row: dict, outputs: list, kind: str, reply: Reply) -> None:
     row.update(
         text=answer.text, finish_reason=answer.finish_reason, created=reply.created,
         tool_calls=json.dumps(answer.tool_calls, ensure_ascii=False) if answer.tool_calls else None,
-        reasoning=answer.reasoning, embeddings=answer.embeddings,
+        reasoning=answer.reasoning, embeddings=answer.embeddings, flagged=answer.flagged, labels=answer.labels,
+        scores=answer.scores, category_scores=answer.category_scores,
         prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens,
         total_tokens=answer.prompt_tokens + answer.completion_tokens,
         response_body=json.dumps(answer.body, ensure_ascii=False, separators=(",", ":")),

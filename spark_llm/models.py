@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 
 from .config import BatchConfig, ConfigError
+from .engine_host.protocol import EngineTask
 from .host import locked
 
 log = logging.getLogger(__name__)
@@ -192,14 +193,51 @@ def model_runner(model: str) -> str:
     return "pooling" if archs and not any(a.endswith(_GENERATIVE) for a in archs) else "generate"
 
 
+def model_tasks(model: str, runner: str) -> tuple[EngineTask, ...]:
+    """What the model directory's engines do on ``runner`` (resolved: generate or pooling), as vLLM decides it from
+    the architecture: generation; on the pooling runner a sequence classifier (``*ForSequenceClassification``)
+    classifies, any other model embeds."""
+    if runner != "pooling":
+        return (EngineTask.GENERATE,)
+    archs = _config(model).get("architectures") or []
+    return (EngineTask.CLASSIFY,) if any(str(a).endswith("ForSequenceClassification") for a in archs) else (
+        EngineTask.EMBED,)
+
+
+def tasks_of(cfg: BatchConfig) -> tuple[EngineTask, ...]:
+    """What the engines of a resolved config's model do (:func:`model_tasks`)."""
+    return model_tasks(local_copy(cfg.model, weights=False) if cfg.model else "", cfg.runner)
+
+
+def class_labels(model: str) -> tuple[str, ...]:
+    """A classifier's labels by class index, from its config's ``id2label`` (as vLLM labels its classes); () when the
+    directory says none."""
+    try:
+        return tuple(str(label) for _, label in sorted((int(k), v) for k, v in _config(model)["id2label"].items()))
+    except (KeyError, AttributeError, TypeError, ValueError):
+        return ()
+
+
+def reads_token_types(model: str) -> bool:
+    """Whether the model reads token type ids (BERT's segment embeddings: ``type_vocab_size`` over 1), which tell a
+    cross-encoder's query from its document."""
+    size = _config(model).get("type_vocab_size")
+    return isinstance(size, int) and size > 1
+
+
 def takes_images(model: str) -> bool:
     """Whether the model directory holds a vision-language model: its config has a vision encoder's settings
     (``vision_config``, as LLaVA, Qwen2-VL, Gemma 3, Idefics and the like write it)."""
+    return isinstance(_config(model).get("vision_config"), dict)
+
+
+def _config(model: str) -> dict:
+    """The model directory's ``config.json``; {} when it has none that reads as an object."""
     try:
         config = json.loads((Path(model or "") / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def check_adapters(lora_modules: dict[str, str], max_lora_rank: int) -> None:

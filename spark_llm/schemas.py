@@ -45,6 +45,8 @@ RESULT_SCHEMA = _struct(
     ("tool_calls", S, True), ("reasoning", S, True), ("prompt_tokens", L, True), ("completion_tokens", L, True),
     ("total_tokens", L, True), ("created", L, True),
     ("embeddings", T.ArrayType(T.ArrayType(T.FloatType())), True),
+    ("flagged", T.BooleanType(), True), ("labels", T.ArrayType(S), True), ("scores", T.ArrayType(T.DoubleType()), True),
+    ("category_scores", T.MapType(S, T.DoubleType()), True),
     ("response_body", S, True), ("request", S, True), ("notes", S, True), ("error_code", S, True),
     ("error_message", S, True),
     # the partition's metrics record (JSON, see metrics.py) on its first row, null on the others
@@ -63,7 +65,8 @@ OUTPUTS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "request_id": (S, "response.request_id in output.jsonl"),
     "file": (S, "Input file the request came from"),
     "line_number": (L, "1-based line number of the request in its input file"),
-    "endpoint": (S, "Request url: /v1/chat/completions, /v1/completions or /v1/responses"),
+    "endpoint": (S, "Request url: /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings (the "
+                    "vectors: the embeddings table), /v1/moderations, /v1/classify, /v1/score or /v1/rerank"),
     "model": (S, "Served model name"),
     "text": (S, "Answer text of the first choice (after any reasoning; JSON text for structured outputs); null "
                 "when the answer is only tool calls"),
@@ -76,6 +79,13 @@ OUTPUTS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "total_tokens": (L, "prompt_tokens + completion_tokens"),
     "notes": (S, "Adjustments made to the request, e.g. max_tokens lowered to fit the context"),
     "created_at": (T.TimestampType(), "When the response was generated"),
+    "flagged": (T.BooleanType(), "/v1/moderations: whether any input was flagged; null for other endpoints"),
+    "labels": (T.ArrayType(S), "/v1/classify: each input's most probable label; /v1/moderations: the categories "
+                               "flagged (any input), in OpenAI's order"),
+    "scores": (T.ArrayType(T.DoubleType()), "/v1/classify: the probability of each input's label; /v1/score: each "
+                                            "pair's score; /v1/rerank: each document's score, in the request's order"),
+    "category_scores": (T.MapType(S, T.DoubleType()), "/v1/moderations: each OpenAI category's highest score over "
+                                                      "the inputs (category_scores['hate'])"),
     "response_body": (S, "Full OpenAI ChatCompletion / Completion / Response object as JSON"),
     "request": (S, "The original input line as JSON (an image's data: URL as its size and hash)"),
 }

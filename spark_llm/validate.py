@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence
 
-from .endpoints import ENDPOINTS, RUNNER_MODELS, SERVED_BY
+from .endpoints import ENDPOINTS, SERVED_BY, TASK_MODELS
+from .engine_host.protocol import EngineTask
 from .endpoints.common import json_type as _json_type
 from .errors import LINE_LEVEL_CODES, ErrorCode, RequestError, truncate
 from .media import MediaPolicy, without_data_urls
@@ -40,6 +41,13 @@ class ValidationContext:
     tool_call_parser: Optional[str]
     runner: str   #: resolved: generate or pooling
     lora_modules: dict[str, str]
+    moderation_labels: dict[str, str]
+    #: what the model's engines do (:func:`~spark_llm.models.model_tasks`), and so which endpoints it serves
+    tasks: tuple[EngineTask, ...] = field(default=(EngineTask.GENERATE,), metadata={"derived": True})
+    #: a classifier's labels by class index (:func:`~spark_llm.models.class_labels`)
+    labels: tuple[str, ...] = field(default=(), metadata={"derived": True})
+    #: the model reads token type ids (:func:`~spark_llm.models.reads_token_types`)
+    token_types: bool = field(default=False, metadata={"derived": True})
     #: the batch's other models (their own contexts): a request naming one of them runs there
     others: tuple["ValidationContext", ...] = field(default=(), metadata={"derived": True})
     #: the model has a vision encoder: image parts are accepted (see models.takes_images)
@@ -51,12 +59,29 @@ class ValidationContext:
     def of_models(cls, models: Sequence[Any]) -> "ValidationContext":
         """The context of a batch's models (resolved configs, the main model first)."""
         from .config import config_view
-        from .models import local_copy, takes_images
+        from .models import class_labels, local_copy, model_tasks, reads_token_types, takes_images
 
-        first, *rest = [replace(config_view(cls, m), media=MediaPolicy.of(m),
-                                images=bool(m.model) and takes_images(local_copy(m.model, weights=False)))
-                        for m in models]
+        contexts = []
+        for m in models:
+            directory = local_copy(m.model, weights=False) if m.model else ""
+            contexts.append(replace(config_view(cls, m), media=MediaPolicy.of(m), images=takes_images(directory),
+                                    tasks=model_tasks(directory, m.runner), labels=class_labels(directory),
+                                    token_types=reads_token_types(directory)))
+        first, *rest = contexts
         return replace(first, others=tuple(rest))
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The endpoints of the tasks the model's engines do."""
+        return tuple(url for task in self.tasks for url in SERVED_BY[task])
+
+    def unfit(self, url: str) -> Optional[str]:
+        """Why a ``url`` line cannot run on this model (its engines do another task, or the endpoint asks more of the
+        model: see the endpoint's ``unfit``), or None."""
+        if url not in self.urls:
+            return (f"{self.served_model_name!r} is {' and '.join(TASK_MODELS[t] for t in self.tasks)}, which serves "
+                    f"{', '.join(self.urls)}")
+        return ENDPOINTS[url].unfit(self) if hasattr(ENDPOINTS[url], "unfit") else None
 
     def route(self, model: str) -> tuple["ValidationContext", Optional[str]]:
         """The context of the model ``model`` names and the LoRA adapter it names (None: the base model)."""
@@ -214,14 +239,12 @@ def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
     body = obj["body"]
     routes = ctx
     ctx, adapter = _check_model(body, routes)
-    if url not in SERVED_BY[ctx.runner]:
-        serving = [c.served_model_name for c in (routes, *routes.others) if url in SERVED_BY[c.runner]]
+    unfit = ctx.unfit(url)
+    if unfit is not None:
+        serving = [c.served_model_name for c in (routes, *routes.others) if c.unfit(url) is None]
         where = (f"set body.model to {' or '.join(map(repr, serving))}" if serving else
                  f"send {url} lines to a batch with a model for them")
-        raise RequestError(ErrorCode.UNSUPPORTED_ENDPOINT,
-                           f"{ctx.served_model_name!r} is {RUNNER_MODELS[ctx.runner]}, which serves "
-                           f"{', '.join(SERVED_BY[ctx.runner])}; "
-                           f"{where}")
+        raise RequestError(ErrorCode.UNSUPPORTED_ENDPOINT, f"{unfit}; {where}")
     endpoint = ENDPOINTS[url]
     checked = endpoint.check(body, ctx)
     if adapter is not None:  # the engine runs the base model with this LoRA adapter; the response names it

@@ -25,6 +25,7 @@ from .config import ConfigError
 from .context import RunContext
 from .engine_host.protocol import EngineTask
 from .errors import UNANSWERED_CODES, ErrorCode
+from .models import tasks_of
 from .partition import PartitionPlan
 from .schemas import (EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS, ERRORS_COLUMNS, ERRORS_STATS, METRICS_COLUMNS,
                       OUTPUTS_COLUMNS, OUTPUTS_STATS, json_string)
@@ -167,7 +168,7 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
     if responses:
         writes.append(lambda: storage.append_rows(output_rows(results, run), run.paths.outputs_table,
                                                   OUTPUTS_COLUMNS))
-        if run.cfg.runner == EngineTask.EMBED.runner:  # the model this wave ran on
+        if EngineTask.EMBED in tasks_of(run.cfg):  # the model this wave ran on
             writes.append(lambda: storage.append_rows(embedding_rows(results, run), run.paths.embeddings_table,
                                                       EMBEDDINGS_COLUMNS))
     if errors:

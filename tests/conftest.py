@@ -20,6 +20,8 @@ MODEL_NAME = "tiny-llm"
 ADAPTER = "tiny-lora"  #: the LoRA adapter's name (and directory name, beside the tiny model)
 EMBEDDING_MODEL = "tiny-embed"  #: the embedding model's directory name, beside the tiny model
 VISION_MODEL = "tiny-vlm"  #: the vision-language model's directory and served name
+CLASSIFIER_MODEL = "tiny-moderation"  #: the moderation classifier's directory and served name
+RERANKER_MODEL = "tiny-reranker"  #: the cross-encoder's directory and served name
 #: The shared run holds a request with this custom_id: the Python worker whose partition holds it dies hard once,
 #: right after its engine call (spark_llm.faults), and Spark retries the partition.
 KILL_CUSTOM_ID = "kill-my-worker"
@@ -109,6 +111,21 @@ def embedding_model(tiny_model) -> str:
     pooling, normalised, 256 floats; its weight file linked to the tiny Llama's."""
     out = Path(tiny_model).parent / EMBEDDING_MODEL
     return str(_load_script("make_tiny_model").build_embedding(Path(tiny_model), out))
+
+
+@pytest.fixture(scope="session")
+def classifier_model(tiny_model) -> str:
+    """The tiny Llama as a multi-label sequence classifier over OpenAI's moderation categories
+    (make_tiny_model.py --kind classifier)."""
+    out = Path(tiny_model).parent / CLASSIFIER_MODEL
+    return str(_load_script("make_tiny_model").build_classifier(Path(tiny_model), out))
+
+
+@pytest.fixture(scope="session")
+def reranker_model(tiny_model) -> str:
+    """The tiny Llama as a one-label cross-encoder (make_tiny_model.py --kind cross-encoder)."""
+    out = Path(tiny_model).parent / RERANKER_MODEL
+    return str(_load_script("make_tiny_model").build_classifier(Path(tiny_model), out, cross_encoder=True))
 
 
 @pytest.fixture(scope="session")

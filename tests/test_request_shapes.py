@@ -121,6 +121,10 @@ def test_sampling_surface(rows, tiny_model):
     assert [c.index for c in listed.choices] == [0, 1, 2, 3]  # prompt 0's two choices, then prompt 1's
     assert listed.usage.completion_tokens == 12 and listed.usage.prompt_tokens == rows["comp-list"]["prompt_tokens"]
     assert rows["max-completion"]["completion_tokens"] == 2
+    echoed = Completion.model_validate(body(rows["comp-echo"]))  # echo: each prompt, then what was generated
+    assert [c.text[:len(p)] for c, p in zip(echoed.choices, ["Once upon a time", "批量 处理"])] == \
+        ["Once upon a time", "批量 处理"]
+    assert all(len(c.text) > len(p) for c, p in zip(echoed.choices, ["Once upon a time", "批量 处理"]))
 
 
 def test_a_lora_adapter_answers_under_its_name(rows, errors, spark, shared_run):

@@ -253,3 +253,15 @@ def test_images_uploaded_with_purpose_vision_are_the_owner_s_for_its_batches(api
     images = scheduler.images_of(owner)
     assert image.id in images and theirs.id not in images
     assert Path(images[image.id]).read_bytes() == buf.getvalue()
+
+
+def test_every_endpoint_a_batch_line_may_name_is_a_batch_endpoint(api, tmp_path):
+    from spark_llm.endpoints import ENDPOINTS
+
+    client = api["client"]
+    source = client.files.create(file=jsonl(tmp_path / "e.jsonl", 1).open("rb"), purpose="batch")
+    for url in ("/v1/moderations", "/v1/classify", "/v1/embeddings"):
+        assert url in ENDPOINTS
+        assert client.batches.create(input_file_id=source.id, endpoint=url, completion_window="24h").endpoint == url
+    with pytest.raises(openai.BadRequestError, match="Unsupported endpoint '/v1/audio/transcriptions'"):
+        client.batches.create(input_file_id=source.id, endpoint="/v1/audio/transcriptions", completion_window="24h")

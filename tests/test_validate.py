@@ -268,8 +268,11 @@ def test_chat_sampling_rules(changes, code):
 def test_completion_logprobs_is_an_int():
     assert check(completion_line("p", logprobs=True))["error_code"] == "invalid_request"
     assert check(completion_line("p", logprobs=6))["error_code"] == "invalid_request"
-    row = check(completion_line("p", logprobs=2, echo=False))
-    assert row["error_code"] == "unsupported_parameter" and "echo" in row["error_message"]
+    assert check(completion_line("p", logprobs=2, echo=False))["error_code"] is None
+    row = check(completion_line("p", logprobs=2, echo=True))
+    assert row["error_code"] == "unsupported_parameter" and "echo with logprobs" in row["error_message"]
+    assert json.loads(check(completion_line("p", echo=True))["options_json"]) == {"echo_prompt": True}
+    assert check(completion_line("p", echo="yes"))["error_code"] == "invalid_request"
     assert json.loads(check(completion_line("p", logprobs=2))["sampling_json"])["logprobs"] == 2
 
 

@@ -10,7 +10,9 @@ Each module owns its endpoint's whole surface and exposes the same names:
 - ``prompt_texts(tokenizer, prompt) -> list``: what the engine will see, one entry per prompt (a completions
   request may hold several): a text, encoded by the token stage with the tokenizer's special tokens when
   ``ADD_SPECIAL_TOKENS`` (many requests' texts in one tokenizer call), or token ids as given;
-- ``respond(outputs, reply) -> Answer``: the complete OpenAI response body for the engine's outputs (one per prompt).
+- ``respond(outputs, reply) -> Answer``: the complete OpenAI response body for the engine's outputs (one per prompt);
+- optionally ``unfit(ctx) -> str | None``: why a model whose engines do ``TASK`` cannot serve the endpoint after all
+  (a classifier's labels decide between moderations and scores), None when it can.
 
 :mod:`~spark_llm.validate` checks only the batch-line envelope and dispatches here by ``url``; the token stage and
 the inference task dispatch by ``kind``. A new endpoint is a new module added to :data:`ENDPOINTS`.
@@ -21,15 +23,17 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..engine_host.protocol import EngineTask
-from . import chat, completions, embeddings, responses
-from .common import Answer, Checked, Reply
+from . import chat, classify, completions, embeddings, moderations, rerank, responses, score
+from .common import Answer, Checked, Classes, Reply
 
-ENDPOINTS: dict[str, ModuleType] = {m.URL: m for m in (chat, completions, responses, embeddings)}
+ENDPOINTS: dict[str, ModuleType] = {m.URL: m for m in (chat, completions, responses, embeddings, moderations,
+                                                        classify, score, rerank)}
 BY_KIND: dict[str, ModuleType] = {m.KIND: m for m in ENDPOINTS.values()}
-#: The urls an engine of each vLLM runner serves (generate, pooling): those whose task it does.
-SERVED_BY: dict[str, tuple[str, ...]] = {runner: tuple(m.URL for m in ENDPOINTS.values() if m.TASK.runner == runner)
-                                         for runner in dict.fromkeys(task.runner for task in EngineTask)}
-#: What a model of each runner is, in the words of a line sent to the wrong one.
-RUNNER_MODELS = {"generate": "a text generation model", "pooling": "an embedding model (runner pooling)"}
+#: The urls a model serves whose engines do each task: those of the endpoints that need it.
+SERVED_BY: dict[EngineTask, tuple[str, ...]] = {task: tuple(m.URL for m in ENDPOINTS.values() if m.TASK is task)
+                                                for task in EngineTask}
+#: What a model doing each task is, in the words of a line sent to the wrong one.
+TASK_MODELS = {EngineTask.GENERATE: "a text generation model", EngineTask.EMBED: "an embedding model",
+               EngineTask.CLASSIFY: "a classification model"}
 
-__all__ = ["Answer", "BY_KIND", "Checked", "ENDPOINTS", "Reply", "RUNNER_MODELS", "SERVED_BY"]
+__all__ = ["Answer", "BY_KIND", "Checked", "Classes", "ENDPOINTS", "Reply", "SERVED_BY", "TASK_MODELS"]

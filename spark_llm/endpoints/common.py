@@ -523,6 +523,17 @@ def call_id(request_id: str, choice: int, k: int) -> str:
 # ---- answers -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Classes:
+    """What a classifier's class probabilities mean (:attr:`~spark_llm.engine_host.protocol.EngineTask.CLASSIFY`):
+    its labels by class index, the OpenAI moderation category each counts for (None: none), and the score at which a
+    category is flagged. Made once per run of the model (:func:`~spark_llm.endpoints.moderations.classes`)."""
+
+    labels: tuple[str, ...] = ()
+    categories: tuple[Optional[str], ...] = ()
+    threshold: float = 0.5
+
+
+@dataclass(frozen=True)
 class Reply:
     """What every response body needs besides the engine's outputs."""
 
@@ -530,6 +541,7 @@ class Reply:
     model: str
     created: int
     options: dict[str, Any]
+    classes: Classes = Classes()  #: the model's classes, for the classifying endpoints
 
 
 @dataclass
@@ -544,6 +556,11 @@ class Answer:
     tool_calls: Optional[list[dict]] = None
     reasoning: Optional[str] = None
     embeddings: Optional[list[list[float]]] = None  #: one vector per input (embeddings endpoint)
+    #: the typed result columns of the outputs table (:data:`~spark_llm.schemas.OUTPUTS_COLUMNS`) for SQL readers
+    flagged: Optional[bool] = None                      #: moderations: any input flagged
+    labels: Optional[list[str]] = None                  #: classify: each input's label; moderations: flagged categories
+    scores: Optional[list[float]] = None                #: classify: each label's probability; score, rerank: each pair's
+    category_scores: Optional[dict[str, float]] = None  #: moderations: each category's highest score over the inputs
 
 
 def finish_reason(reason: Optional[str]) -> str:

@@ -14,7 +14,7 @@ KIND = "completion"
 PARSE_REASONING = False  #: completions return the raw text, as vLLM's server does
 TASK = EngineTask.GENERATE
 FIELDS = (common.SAMPLING_FIELDS | common.HARMLESS_FIELDS
-          | {"prompt", "max_tokens", "n", "stop", "logprobs", "response_format"})
+          | {"prompt", "max_tokens", "n", "stop", "logprobs", "response_format", "echo"})
 MAX_PROMPTS = 2048  #: OpenAI's limit of prompts per request
 
 
@@ -30,6 +30,11 @@ def check(body: dict, ctx: Any) -> Checked:
     options: dict[str, Any] = {}
     if body.get("logprobs") is not None:
         sp["logprobs"] = options["logprobs"] = number(body, "logprobs", 0, 5, integer=True)
+    if common.boolean(body, "echo"):
+        if "logprobs" in options:  # OpenAI's answer would hold the prompt tokens' logprobs too
+            raise common.unsupported("echo with logprobs is not supported (the prompt's tokens have no logprobs "
+                                     "here); drop one of them")
+        options["echo_prompt"] = True  # (Responses' options["echo"] is the request's fields its answer repeats)
     answer_format = common.response_format(body.get("response_format"), "body.response_format", ctx)
     if answer_format:  # a vLLM extension of the completions API
         sp["structured_outputs"] = answer_format
@@ -52,7 +57,8 @@ def respond(outputs: list, reply: Reply) -> Answer:
         cached += out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            choices.append({"index": p * len(out.outputs) + c.index, "text": c.text,
+            text = (out.prompt_text or "") + c.text if reply.options.get("echo_prompt") else c.text
+            choices.append({"index": p * len(out.outputs) + c.index, "text": text,
                             "logprobs": _completion_logprobs(c, k),
                             "finish_reason": common.finish_reason(c.finish_reason)})
     body = {"id": f"cmpl-{common.id_suffix(reply.request_id)}", "object": "text_completion",

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 
 #: Version of what crosses the socket, part of every engine's key: a task never talks to an engine server of an
 #: older spark_llm that may still be running on the host.
-PROTOCOL = 6
+PROTOCOL = 7
 #: Requests per message of a streamed call: the engine starts on the first chunk while the rest are on their way.
 STREAM_CHUNK = 256
 
@@ -54,6 +54,7 @@ class EngineTask(str, Enum):
 
     GENERATE = "generate"
     EMBED = "embed"
+    CLASSIFY = "classify"  #: a sequence classifier's class probabilities (moderations, classify, score, rerank)
 
     @property
     def runner(self) -> str:
@@ -62,7 +63,7 @@ class EngineTask(str, Enum):
 
 
 #: The ``vllm.LLM`` method that does each pooling task, over whole calls (a new pooling task is a line here).
-POOLING_CALLS = {EngineTask.EMBED: "embed"}
+POOLING_CALLS = {EngineTask.EMBED: "embed", EngineTask.CLASSIFY: "classify"}
 
 
 class Parse(NamedTuple):
@@ -70,6 +71,7 @@ class Parse(NamedTuple):
 
     reasoning: bool = False             #: split the reasoning from the answer (the endpoint's PARSE_REASONING)
     tools: Optional[list[dict]] = None  #: the request's tools, when it lets the model call them: find the calls
+    echo: bool = False  #: give the prompt back as text (:attr:`Output.prompt_text`; completions' ``echo``)
 
 
 class EngineRequest(NamedTuple):
@@ -160,12 +162,16 @@ class Output:
     outputs: list[Choice]
     num_cached_tokens: int = 0  #: prompt tokens served from vLLM's prefix cache
     task: EngineTask = EngineTask.GENERATE
+    prompt_text: Optional[str] = None  #: the prompt decoded, when the request asked to have it echoed
     embedding: Optional[list[float]] = None  #: :attr:`EngineTask.EMBED`'s answer
+    #: :attr:`EngineTask.CLASSIFY`'s answer: a probability per class of the model (its ``id2label`` order), after the
+    #: activation its config asks for (sigmoid for multi-label classifiers, else softmax)
+    probs: Optional[list[float]] = None
 
     @classmethod
     def of(cls, out: Any, task: EngineTask = EngineTask.GENERATE) -> "Output":
         """vLLM's answer to a request of ``task`` as plain data: a ``RequestOutput``, or the ``PoolingRequestOutput``
-        of a pooling task (``EmbeddingRequestOutput`` for :attr:`EngineTask.EMBED`)."""
+        of a pooling task (``EmbeddingRequestOutput``, ``ClassificationRequestOutput``)."""
         def logprobs(c: Any) -> Optional[list[dict[int, TokenLogprob]]]:
             if c.logprobs is None:
                 return None
@@ -175,6 +181,8 @@ class Output:
         prompt, cached = list(out.prompt_token_ids or []), int(getattr(out, "num_cached_tokens", 0) or 0)
         if task is EngineTask.EMBED:
             return cls(prompt, [], cached, task, embedding=[float(x) for x in out.outputs.embedding])
+        if task is EngineTask.CLASSIFY:
+            return cls(prompt, [], cached, task, probs=[float(x) for x in out.outputs.probs])
         return cls(prompt, [Choice(c.index, c.text, list(c.token_ids), c.finish_reason, logprobs(c))
                             for c in out.outputs], cached, task)
 

@@ -461,6 +461,8 @@ class EngineServer:
         """A finished vLLM output as what crosses the socket, its answers parsed as the request asks."""
         result = Output.of(out, request.task)
         try:
+            if request.parse.echo:
+                result.prompt_text = self.parsers.tokenizer.decode(result.prompt_token_ids, skip_special_tokens=True)
             for choice in result.outputs:
                 self.parsers.parse(choice, request.parse)
         except Exception as exc:  # a parser bug on one odd answer is that request's error, not the batch's
