@@ -55,9 +55,9 @@ def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) ->
         raise ConfigError(
             f"spark.task.resource.gpu.amount is {spark_conf['spark.task.resource.gpu.amount']} but "
             f"tensor_parallel_size is {tensor_parallel_size}: each inference task must own exactly the GPUs of one "
-            f"engine" + (" or, with one GPU per engine, 1/N of it (N tasks feeding it)" if tensor_parallel_size == 1
-                         else "") + f". Better, leave spark.task.resource.gpu.amount unset: spark_llm asks for the "
-            f"GPUs on the inference stage alone (stage-level scheduling; tasks_per_engine sets the share)")
+            "engine" + (" or, with one GPU per engine, 1/N of it (N tasks feeding it)" if tensor_parallel_size == 1
+                         else "") + ". Better, leave spark.task.resource.gpu.amount unset: spark_llm asks for the "
+            "GPUs on the inference stage alone (stage-level scheduling; tasks_per_engine sets the share)")
     if executor and executor < tensor_parallel_size:
         raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but executors have {executor:g} GPU(s) "
                           f"(spark.executor.resource.gpu.amount): one engine's GPUs must be on one executor")
