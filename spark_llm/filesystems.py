@@ -5,7 +5,20 @@ service's files)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
+
+
+def file_uri_path(uri: str) -> Optional[str]:
+    """The local path a ``file:`` URI names in any of RFC 8089's spellings (``file:/p``, ``file:///p``,
+    ``file://localhost/p``), normalised; None for a ``file:`` URI of another host, or not a ``file:`` URI."""
+    if uri[:5].lower() != "file:":
+        return None
+    rest = uri[5:]
+    if rest.startswith("//"):
+        host, _, rest = rest[2:].partition("/")
+        if host.lower() not in ("", "localhost"):
+            return None
+    return os.path.normpath("/" + rest.lstrip("/"))
 
 
 def python_filesystem(uri: str) -> tuple[Any, str]:
@@ -18,8 +31,9 @@ def python_filesystem(uri: str) -> tuple[Any, str]:
         uri = "/dbfs/" + uri[len("dbfs:/"):].lstrip("/")
     elif uri.startswith(("s3a://", "s3n://")):
         uri = "s3://" + uri.split("://", 1)[1]
-    if uri.startswith("file:"):
-        return fs.LocalFileSystem(), "/" + uri[len("file:"):].lstrip("/")
+    local = file_uri_path(uri)
+    if local is not None:
+        return fs.LocalFileSystem(), local
     if "://" not in uri:
         return fs.LocalFileSystem(), os.path.abspath(uri)
     return fs.FileSystem.from_uri(uri)

@@ -125,14 +125,17 @@ def _normal(path: str) -> str:
     import os
     import posixpath
 
-    if "://" in path:
+    from .filesystems import file_uri_path
+
+    local = file_uri_path(path)
+    if local is not None:
+        return local
+    if "://" in path:  # a storage URI, or another host's file: URI (no local path is under it)
         scheme, rest = path.split("://", 1)
         scheme = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "abfs": "abfss"}.get(scheme.lower(), scheme.lower())
         return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
     if path.startswith("dbfs:"):
         path = "/dbfs/" + path[5:].lstrip("/")
-    elif path.startswith("file:"):
-        path = "/" + path[5:].lstrip("/")
     return os.path.normpath(os.path.abspath(path))
 
 

@@ -62,6 +62,23 @@ def test_storage_prefixes_compare_across_scheme_spellings():
     assert code(lambda: check_url("s3a://bucket/imagesX/cat.png", s3, "x")) == "invalid_image_url"
 
 
+def test_a_file_uri_in_any_of_its_spellings_is_its_local_path(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "a.png").write_bytes(png())
+    for allowed in (str(images), f"file:{images}", f"file://{images}/"):
+        policy = MediaPolicy(allowed_media_paths=(allowed,))
+        for url in (str(images / "a.png"), f"file:{images}/a.png", f"file://{images}/a.png",
+                    f"file://localhost{images}/a.png"):  # RFC 8089's forms of one local file
+            assert read_image(url, policy) == (images / "a.png").read_bytes(), (allowed, url)
+        with pytest.raises(RequestError, match="does not exist"):  # a missing file is said to be missing
+            read_image(f"file://{images}/missing.png", policy)
+        for outside in (f"file://{tmp_path}/other.png", f"file://otherhost{images}/a.png",
+                        f"file://{images}/../other.png"):
+            with pytest.raises(RequestError, match="outside the storage"):
+                read_image(outside, policy)
+
+
 def test_the_default_paths_are_the_input_s_directory():
     from spark_llm.config import BatchConfig
 
