@@ -236,6 +236,26 @@ def test_a_batch_starts_while_there_is_room_and_one_urgent_batch_more():
     assert has_room([_run("a")], "normal", 2)
 
 
+def test_the_queue_goes_by_priority_then_in_rounds_over_the_keys():
+    from dataclasses import replace
+
+    from spark_llm.service.queue import queue_order
+
+    def queued(id: str, owner: str, priority: str = "normal", status: Status = Status.VALIDATING) -> BatchRecord:
+        return replace(_batch(id, owner, status), priority=priority)
+
+    # oldest first as the store lists them: key a queued four batches before b and c queued one each
+    batches = [queued("a1", "a"), queued("a2", "a"), queued("a3", "a"), queued("b1", "b"), queued("a4", "a"),
+               queued("c1", "c"), queued("c-low", "c", "low"), queued("b-high", "b", "high")]
+    order = [b.id for b in queue_order(batches)]
+    assert order == ["b-high", "a1", "b1", "c1", "a2", "a3", "a4", "c-low"]
+    # one key alone keeps its own order; a key's running batch is its first turn, wherever it is in the list
+    assert [b.id for b in queue_order(batches[:3])] == ["a1", "a2", "a3"]
+    running = [queued("a1", "a"), queued("b1", "b"), queued("a2", "a", status=Status.IN_PROGRESS)]
+    assert [b.id for b in queue_order(running)] == ["b1", "a2", "a1"]
+    assert queue_order([]) == []
+
+
 def test_the_runs_that_yield_to_an_urgent_batch():
     import threading
 

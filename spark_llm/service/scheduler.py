@@ -1,6 +1,6 @@
 """The scheduler: owns the server's Spark session and runs each batch as the job runs it (``run_batch`` over the
-uploaded file, its rows in the shared tables), ``max_running_batches`` at a time, oldest first; the API never touches
-Spark. It moves a batch through its life (:mod:`.lifecycle`) as the run reports it (:class:`_Progress`), stops a run
+uploaded file, its rows in the shared tables), ``max_running_batches`` at a time, in the queue's order (by priority,
+then in rounds over the keys: :func:`.queue.queue_order`); the API never touches Spark. It moves a batch through its life (:mod:`.lifecycle`) as the run reports it (:class:`_Progress`), stops a run
 that is cancelled or whose completion window runs out, and then ends the batch with one more run that writes every
 request not answered as a ``batch_cancelled`` / ``batch_expired`` error row (``finish_unanswered``).
 
@@ -26,12 +26,13 @@ from typing import Any, Callable, Optional
 import sqlalchemy.exc
 
 from ..batch import TOKEN_LIMIT_EXCEEDED, BatchErrors, BatchResult, failure_reason
-from ..config import PRIORITIES, BatchConfig, ConfigError
+from ..config import BatchConfig, ConfigError
 from ..context import RunListener, cancel_batch_jobs, cancel_waves
 from ..errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
 from .audit import audit
 from .files import FileStorage
 from .lifecycle import Status
+from .queue import queue_order
 from .settings import ServiceSettings
 from .store import BatchRecord, FileRecord, Store
 
@@ -230,8 +231,7 @@ class Scheduler:
         if now - self._expired_at >= EXPIRY_SECONDS:
             self._expired_at = now
             self.expire_files(now)
-        queue = sorted(self.store.unfinished(), key=lambda b: PRIORITIES.index(b.priority or "normal"))  # stable
-        for batch in queue:
+        for batch in queue_order(self.store.unfinished()):
             ends = self._ends_early(batch, now)
             running = self._running.get(batch.id)
             if running is not None:
