@@ -265,3 +265,21 @@ def test_every_endpoint_a_batch_line_may_name_is_a_batch_endpoint(api, tmp_path)
         assert client.batches.create(input_file_id=source.id, endpoint=url, completion_window="24h").endpoint == url
     with pytest.raises(openai.BadRequestError, match="Unsupported endpoint '/v1/audio/transcriptions'"):
         client.batches.create(input_file_id=source.id, endpoint="/v1/audio/transcriptions", completion_window="24h")
+
+
+def test_another_key_s_id_is_no_cursor(api, tmp_path):
+    client = api["client"]
+    other = openai.OpenAI(base_url=f"http://127.0.0.1:{api['port']}/v1", api_key=LIMITED, max_retries=0)
+    older = other.files.create(file=jsonl(tmp_path / "older.jsonl", 1).open("rb"), purpose="batch")
+    their_batch = other.batches.create(input_file_id=older.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h")
+    mine = client.files.create(file=jsonl(tmp_path / "mine.jsonl", 1).open("rb"), purpose="batch")
+    my_batch = client.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions", completion_window="24h")
+    # the other key's ids say as much as ids that do not exist (were they cursors, the older items would follow)
+    assert [f.id for f in other.files.list(after=mine.id)] == [f.id for f in other.files.list(after="file-nope")]
+    assert [b.id for b in other.batches.list(after=my_batch.id)] == \
+        [b.id for b in other.batches.list(after="batch_nope")]
+    # the owner's own ids page as before
+    assert older.id in [f.id for f in other.files.list()]
+    assert their_batch.id in [b.id for b in other.batches.list()]
+    assert my_batch.id not in [b.id for b in client.batches.list(after=my_batch.id)]
