@@ -52,6 +52,13 @@ def locked(path: Path, wait: Optional[float] = None) -> Iterator[bool]:
             os.close(fd)
 
 
+def private_file(path: "str | Path") -> None:
+    """Make ``path`` a file only this user can read or write: created empty if it is not there, else its mode set
+    (a file an earlier version left readable by others)."""
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600))
+    os.chmod(path, 0o600)
+
+
 def write_private(path: Path, record: dict) -> None:
     """Write a small JSON record readable by this user only, complete or not at all (temp file and rename)."""
     tmp = path.with_name(path.name + ".tmp")

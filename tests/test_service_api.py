@@ -283,3 +283,17 @@ def test_another_key_s_id_is_no_cursor(api, tmp_path):
     assert older.id in [f.id for f in other.files.list()]
     assert their_batch.id in [b.id for b in other.batches.list()]
     assert my_batch.id not in [b.id for b in client.batches.list(after=my_batch.id)]
+
+
+def test_the_storage_is_the_server_s_alone(api, tmp_path):
+    """Storage root 0700, the database and every stored file 0600: another user of the host reads nothing."""
+    import stat
+
+    root = api["root"] / "storage"
+    uploaded = api["client"].files.create(file=jsonl(tmp_path / "private.jsonl", 1).open("rb"), purpose="batch")
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(root) == 0o700
+    assert mode(root / "service.db") == mode(root / "audit.jsonl") == 0o600
+    stored = [p for p in (root / "files").rglob("*") if p.is_file()]
+    assert any(uploaded.id in p.name for p in stored)
+    assert {p.name: mode(p) for p in stored} == {p.name: 0o600 for p in stored}

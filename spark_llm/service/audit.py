@@ -9,6 +9,8 @@ import logging
 import time
 from typing import Any
 
+from ..host import private_file
+
 logger = logging.getLogger("spark_llm.audit")
 
 
@@ -20,7 +22,9 @@ def audit(action: str, **fields: Any) -> None:
 
 
 def write_to(path: str) -> logging.Handler:
-    """Send the audit lines to the file ``path`` (appended), not to the server's console."""
+    """Send the audit lines to the file ``path`` (appended; made readable by this user only), not to the server's
+    console."""
+    private_file(path)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)

@@ -30,6 +30,8 @@ class FileStorage:
         self.root = root.rstrip("/") if "://" in root or root.startswith("file:") else os.path.abspath(root)
         filesystem, path = python_filesystem(self.root)
         filesystem.create_dir(path, recursive=True)
+        if filesystem.type_name == "local":  # every key's inputs and results: this user's alone
+            os.chmod(path, 0o700)
 
     def location(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
@@ -44,6 +46,8 @@ class FileStorage:
         try:
             with filesystem.open_output_stream(temporary) as out:
                 yield out
+            if filesystem.type_name == "local":
+                os.chmod(temporary, 0o600)
             filesystem.move(temporary, path)
         except BaseException:
             with contextlib.suppress(Exception):

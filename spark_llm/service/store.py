@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import sqlalchemy as sa
 
+from ..host import private_file
 from . import lifecycle
 from .audit import audit
 from .lifecycle import Status
@@ -219,6 +220,8 @@ class Store:
         kwargs: dict[str, Any] = {}
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+            if url.startswith("sqlite:///"):  # made 0600 before SQLite opens it (its -wal and -shm files follow it)
+                private_file(url[len("sqlite:///"):])
         self.engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
