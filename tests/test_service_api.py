@@ -297,3 +297,46 @@ def test_the_storage_is_the_server_s_alone(api, tmp_path):
     stored = [p for p in (root / "files").rglob("*") if p.is_file()]
     assert any(uploaded.id in p.name for p in stored)
     assert {p.name: mode(p) for p in stored} == {p.name: 0o600 for p in stored}
+
+
+def test_the_dashboard_shows_what_a_batch_holds_as_text(api):
+    """Whatever the API answers is shown as text, never run as HTML: a batch whose fields hold markup (answers faked
+    by the browser's routing) adds no element to the page, and the report is framed without scripts."""
+    import shutil
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium: scripts/setup.sh installs Debian's chromium package")
+    evil = '<img src=x onerror="window.pwned=1">'
+    batch = {"id": f"batch_{evil}", "object": "batch", "endpoint": "/v1/chat/completions", "status": f"done{evil}",
+             "input_file_id": "file-1", "completion_window": "24h", "created_at": 1,
+             "in_progress_at": None, "request_counts": {"total": 2, "completed": 1, "failed": 1},
+             "usage": {"input_tokens": f"1{evil}", "output_tokens": 2}}
+    pages = {"/v1/batches?limit=100": {"object": "list", "data": [batch], "has_more": False},
+             "/v1/batches/b1": batch,
+             "/ui/api/batches/b1/errors": {"errors_by_code": {f"code{evil}": 1}, "final": True}}
+
+    def answer(route):
+        path = route.request.url.split(str(api["port"]), 1)[1]
+        if path == "/ui/api/batches/b1/report":
+            return route.fulfill(status=200, content_type="text/html",
+                                 body=f"<p>report</p><script>parent.window.pwned=2</script>{evil}")
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(pages[path]))
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.route("**/v1/batches**", answer)
+        page.route("**/ui/api/**", answer)
+        page.goto(f"http://127.0.0.1:{api['port']}/ui")
+        page.fill("#key", KEY)
+        page.click("#key-form button")
+        page.locator("#rows td.status", has_text="done<img").wait_for(timeout=30_000)
+        assert page.locator("#rows img").count() == 0 and page.locator("#rows td", has_text="1<img").count() == 1
+        page.goto(f"http://127.0.0.1:{api['port']}/ui#b1")
+        page.locator("#codes td", has_text="code<img").wait_for(timeout=30_000)
+        page.frame_locator("#report").locator("p", has_text="report").wait_for(timeout=30_000)
+        assert page.locator("#codes img, #summary img").count() == 0
+        assert page.evaluate("window.pwned") is None  # neither the onerror nor the report's script ran
+        browser.close()

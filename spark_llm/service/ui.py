@@ -87,6 +87,9 @@ const api = async (path, opts = {}) => {
   return r;
 };
 const when = t => t ? new Date(t * 1000).toLocaleString() : "";
+// every value from the API goes into markup through esc: shown as text, never run as HTML
+const esc = v => String(v ?? "").replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;",
+                                                           "'": "&#39;"})[c]);
 function left(b) {
   const n = b.request_counts, done = n.completed + n.failed;
   if (b.status !== "in_progress" || !b.in_progress_at || !done || !n.total) return "";
@@ -95,38 +98,44 @@ function left(b) {
 }
 function bar(b) {
   const n = b.request_counts, pct = n.total ? Math.round(100 * (n.completed + n.failed) / n.total) : 0;
-  return `<span class="bar ${b.status === "failed" ? "failed" : ""}" role="progressbar" aria-valuenow="${pct}"` +
-         ` aria-valuemin="0" aria-valuemax="100"><div style="width:${pct}%"></div></span> ${pct}%`;
+  return `<span class="bar ${b.status === "failed" ? "failed" : ""}" role="progressbar" aria-valuenow="${esc(pct)}"` +
+         ` aria-valuemin="0" aria-valuemax="100"><div style="width:${esc(pct)}%"></div></span> ${esc(pct)}%`;
 }
 async function list() {
   const page = await (await api("/v1/batches?limit=100")).json();
   document.getElementById("rows").innerHTML = page.data.map(b => {
     const u = b.usage || {input_tokens: 0, output_tokens: 0};
-    return `<tr data-batch="${b.id}"><td><a href="#${b.id}">${b.id}</a></td>` +
-      `<td class="status">${b.status}</td><td>${bar(b)}</td><td>${b.request_counts.completed}</td>` +
-      `<td>${b.request_counts.failed}</td><td>${u.input_tokens} / ${u.output_tokens}</td><td>${left(b)}</td>` +
-      `<td>${when(b.created_at)}</td></tr>`;
+    return `<tr data-batch="${esc(b.id)}"><td><a href="#${esc(encodeURIComponent(b.id))}">${esc(b.id)}</a></td>` +
+      `<td class="status">${esc(b.status)}</td><td>${bar(b)}</td><td>${esc(b.request_counts.completed)}</td>` +
+      `<td>${esc(b.request_counts.failed)}</td><td>${esc(u.input_tokens)} / ${esc(u.output_tokens)}</td>` +
+      `<td>${esc(left(b))}</td><td>${esc(when(b.created_at))}</td></tr>`;
   }).join("");
 }
 async function detail(id) {
-  const b = await (await api("/v1/batches/" + id)).json();
+  const b = await (await api("/v1/batches/" + encodeURIComponent(id))).json();
   document.getElementById("title").textContent = b.id;
   const n = b.request_counts;
-  document.getElementById("summary").innerHTML = `<span class="status" id="detail-status">${b.status}</span> ` +
-    `${bar(b)} ${n.completed} completed, ${n.failed} failed of ${n.total}. ${left(b) ? "About " + left(b) + " left." : ""}`;
+  document.getElementById("summary").innerHTML = `<span class="status" id="detail-status">${esc(b.status)}</span> ` +
+    `${bar(b)} ${esc(n.completed)} completed, ${esc(n.failed)} failed of ${esc(n.total)}. ` +
+    esc(left(b) ? "About " + left(b) + " left." : "");
   document.getElementById("cancel").hidden = !["validating", "in_progress"].includes(b.status);
-  const codes = await (await api(`/ui/api/batches/${id}/errors`)).json();
+  const codes = await (await api(`/ui/api/batches/${encodeURIComponent(id)}/errors`)).json();
   document.getElementById("codes").innerHTML = Object.entries(codes.errors_by_code)
-    .map(([c, k]) => `<tr><td>${c}</td><td>${k}</td></tr>`).join("") ||
+    .map(([c, k]) => `<tr><td>${esc(c)}</td><td>${esc(k)}</td></tr>`).join("") ||
     `<tr><td colspan="2" class="muted">${codes.final ? "none" : "when the batch is done"}</td></tr>`;
   const frame = document.getElementById("report");
   if (!frame.dataset.batch || frame.dataset.batch !== id) {
-    try { frame.srcdoc = await (await api(`/ui/api/batches/${id}/report`)).text(); frame.dataset.batch = id; }
+    try {
+      frame.srcdoc = await (await api(`/ui/api/batches/${encodeURIComponent(id)}/report`)).text();
+      frame.dataset.batch = id;
+    }
     catch (e) { frame.srcdoc = "<p>The report is written when the batch is done.</p>"; }
   }
 }
+// the batch the page shows: the hash, as list() wrote it (encoded)
+const shown = () => { try { return decodeURIComponent(location.hash.slice(1)); } catch { return ""; } };
 async function refresh() {
-  const id = location.hash.slice(1);
+  const id = shown();
   document.getElementById("list").hidden = !!id;
   document.getElementById("detail").hidden = !id;
   try { if (id) { await detail(id); } else { await list(); } document.getElementById("error").textContent = ""; }
@@ -138,7 +147,7 @@ document.getElementById("key-form").onsubmit = e => {
 };
 document.getElementById("back").onclick = e => { e.preventDefault(); location.hash = ""; };
 document.getElementById("cancel").onclick = async () => {
-  await api("/v1/batches/" + location.hash.slice(1) + "/cancel", {method: "POST"}); refresh();
+  await api("/v1/batches/" + encodeURIComponent(shown()) + "/cancel", {method: "POST"}); refresh();
 };
 window.onhashchange = refresh;
 refresh(); setInterval(refresh, 2000);
