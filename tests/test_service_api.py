@@ -340,3 +340,32 @@ def test_the_dashboard_shows_what_a_batch_holds_as_text(api):
         assert page.locator("#codes img, #summary img").count() == 0
         assert page.evaluate("window.pwned") is None  # neither the onerror nor the report's script ran
         browser.close()
+
+
+def test_the_front_door_refuses_before_it_reads(api):
+    """No key: 401 whatever the body (a body not even JSON, a large one), OpenAI's error shape; with a key, a JSON
+    body over the bound (declared, or chunked without a length) is refused with 413 unread beyond it."""
+    import httpx
+
+    from spark_llm.service.door import MAX_JSON_BYTES
+
+    url = f"http://127.0.0.1:{api['port']}/v1"
+    big = b'{"input_file_id": "' + b"x" * (MAX_JSON_BYTES + 10) + b'"}'
+    with httpx.Client(timeout=30) as http:
+        for path, body in (("/batches", b"{not json"), ("/batches", big), ("/uploads", b"[]"),
+                           ("/uploads/upload_x/complete", b"{}")):
+            answer = http.post(url + path, content=body, headers={"content-type": "application/json"})
+            assert answer.status_code == 401, (path, answer.text)
+            assert answer.json()["error"]["code"] == "invalid_api_key"
+        keyed = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+        answer = http.post(url + "/batches", content=big, headers=keyed)
+        assert answer.status_code == 413 and answer.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            for _ in range(MAX_JSON_BYTES // 65536 + 2):
+                yield b" " * 65536
+        answer = http.post(url + "/batches", content=chunks(), headers=keyed)  # no content-length: chunked
+        assert answer.status_code == 413 and answer.json()["error"]["type"] == "invalid_request_error"
+        # a body within the bound goes on to the route, as before
+        answer = http.post(url + "/batches", content=b"{not json", headers=keyed)
+        assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"

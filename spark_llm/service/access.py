@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Mapping, Optional
 
 from fastapi import Request
 
@@ -30,16 +31,23 @@ def service_of(request: Request) -> Service:
     return request.app.state.service
 
 
+def key_owner(keys: Mapping[str, str], authorization: str) -> Optional[str]:
+    """The owner id of the key an ``Authorization`` header gives (``Bearer <key>``), or None for no known key."""
+    scheme, _, key = authorization.partition(" ")
+    return keys.get(key.strip()) if scheme.lower() == "bearer" else None
+
+
 def owner(request: Request) -> str:
-    """The caller's owner id, from ``Authorization: Bearer <key>`` (401 without a known key)."""
+    """The caller's owner id, from ``Authorization: Bearer <key>`` (401 without a known key; the front door,
+    :mod:`.door`, has refused such a call already)."""
     keys = service_of(request).keys
     if not keys:
         return NO_KEY_OWNER
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or key.strip() not in keys:
+    who = key_owner(keys, request.headers.get("authorization", ""))
+    if who is None:
         raise APIError(401, "Incorrect API key provided. Give one of this server's keys as 'Authorization: "
                        "Bearer <key>'.", code="invalid_api_key")
-    return keys[key.strip()]
+    return who
 
 
 def new_id(prefix: str) -> str:

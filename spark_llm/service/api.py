@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException
 from ..config import PRIORITIES
 from ..endpoints import ENDPOINTS
 from . import monitor, ui, uploads
-from .access import Service, new_id, own_batch, own_file, owner, service_of
+from .access import Service, key_owner, new_id, own_batch, own_file, owner, service_of
+from .door import FrontDoor
 from .audit import audit
 from .files import ImageCheck, TextCheck, check_filename, receive_upload
 from .lifecycle import CANCELLABLE, Status
@@ -36,6 +37,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(uploads.router, prefix="/v1")
     app.include_router(monitor.router)
     app.include_router(ui.router)
+    app.add_middleware(FrontDoor, keys=lambda: service.keys)  # inside the audit: its refusals are audited too
 
     @app.middleware("http")
     async def audited(request: Request, call_next: Any) -> Any:
@@ -44,9 +46,9 @@ def create_app(service: Service) -> FastAPI:
         response = await call_next(request)
         if request.url.path.startswith("/v1/"):
             keys = service.keys
-            _, _, key = request.headers.get("authorization", "").partition(" ")
-            audit("api", owner=keys.get(key.strip(), "unknown") if keys else NO_KEY_OWNER, method=request.method,
-                  path=request.url.path, status=response.status_code, ms=round(1000 * (time.monotonic() - t0), 1))
+            who = key_owner(keys, request.headers.get("authorization", "")) or "unknown" if keys else NO_KEY_OWNER
+            audit("api", owner=who, method=request.method, path=request.url.path, status=response.status_code,
+                  ms=round(1000 * (time.monotonic() - t0), 1))
         return response
 
     @app.exception_handler(APIError)
