@@ -369,3 +369,40 @@ def test_the_front_door_refuses_before_it_reads(api):
         # a body within the bound goes on to the route, as before
         answer = http.post(url + "/batches", content=b"{not json", headers=keyed)
         assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_upload_is_one_file_part_after_its_purpose_in_a_whole_body_or_nothing(api):
+    """Two file parts, a body without its closing boundary, purpose sent after the file part, too many fields:
+    each a 400 in OpenAI's shape, and no file record or stored file left."""
+    import httpx
+
+    from spark_llm.service.files import MAX_FIELDS
+
+    client, storage = api["client"], api["root"] / "storage" / "files"
+    names = lambda: {p.name for p in storage.iterdir()} if storage.exists() else set()  # noqa: E731
+    before, stored = {f.id for f in client.files.list()}, names()
+    line = b'{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+
+    def part(name: str, value: bytes, filename: str = "") -> bytes:
+        named = f'name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        return f"--b\r\nContent-Disposition: form-data; {named}\r\n\r\n".encode() + value + b"\r\n"
+    bodies = {
+        "more than one 'file' part": part("purpose", b"batch") + part("file", line, "a.jsonl")
+        + part("file", line * 3, "b.jsonl") + b"--b--\r\n",
+        "ends before its closing boundary": part("purpose", b"batch") + part("file", line, "a.jsonl"),
+        # text that is no image, stored as a vision file were its purpose read after it
+        "must come before": part("file", line, "no-image.png") + part("purpose", b"vision") + b"--b--\r\n",
+        f"more than {MAX_FIELDS} form fields": b"".join(part(f"f{i}", b"x") for i in range(MAX_FIELDS + 1))
+        + part("purpose", b"batch") + part("file", line, "a.jsonl") + b"--b--\r\n",
+    }
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "multipart/form-data; boundary=b"}
+    with httpx.Client(timeout=30) as http:
+        for why, body in bodies.items():
+            answer = http.post(f"http://127.0.0.1:{api['port']}/v1/files", content=body, headers=headers)
+            assert answer.status_code == 400 and why in answer.json()["error"]["message"], (why, answer.text)
+        # the same parts in the right shape are stored
+        good = part("purpose", b"batch") + part("file", line, "a.jsonl") + b"--b--\r\n"
+        answer = http.post(f"http://127.0.0.1:{api['port']}/v1/files", content=good, headers=headers)
+        assert answer.status_code == 200 and answer.json()["bytes"] == len(line)
+    assert {f.id for f in client.files.list()} == before | {answer.json()["id"]}
+    assert len(names() - stored) == 1 and not [n for n in names() if n.endswith(".partial")]

@@ -184,13 +184,18 @@ class PartCheck(TextCheck):
         pass
 
 
+#: Form fields an upload may hold besides its file (OpenAI's: purpose and expires_after's two).
+MAX_FIELDS = 16
+
+
 async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage: FileStorage, location: str,
                          check: Any, field: str = "file") -> Upload:
     """Parse a ``multipart/form-data`` body as it arrives: the part named ``field`` is checked (``check``: a
     :class:`TextCheck`, a :class:`PartCheck` for a chunked upload's part, or a function of the form fields before
     the file part that gives the check, :class:`ImageCheck` for a ``vision`` file) and written to ``location``, the other
-    parts are form fields (at most 64 KiB each). A refused upload leaves nothing stored; the body is still read to
-    its end, so that the client reads the answer and not a reset."""
+    parts are form fields (at most :data:`MAX_FIELDS`, 64 KiB each). One file part, after the fields that choose its
+    check, and a body that ends with its closing boundary, or nothing is stored. A refused upload leaves nothing
+    stored; the body is still read to its end, so that the client reads the answer and not a reset."""
     from python_multipart.exceptions import MultipartParseError
     from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -199,7 +204,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
         raise APIError.invalid("Expected a multipart/form-data body with the file and its purpose.")
     upload = Upload(fields={})
     failure: list[APIError] = []
-    state: dict[str, Any] = {"headers": [], "name": None, "field": b"", "value": b""}
+    state: dict[str, Any] = {"headers": [], "name": None, "field": b"", "value": b"", "ended": False}
 
     with contextlib.ExitStack() as stack:
         out: list[Any] = []
@@ -219,10 +224,18 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
             _, params = parse_options_header(disposition)
             name = params.get(b"name", b"").decode("utf-8", "replace")
             state["name"], state["headers"] = name, []
+            if failure:
+                return
             if name == field:
+                if upload.filename is not None:  # a second file part: which one would the record describe?
+                    failure.append(APIError.invalid(f"The body holds more than one '{field}' part; send one.",
+                                                    param=field))
+                    return
                 upload.filename = params.get(b"filename", b"").decode("utf-8", "replace")
                 state["check"] = check(upload.fields) if callable(check) else check
                 out.append(stack.enter_context(storage.writing(location)))
+            elif len(upload.fields) >= MAX_FIELDS:
+                failure.append(APIError.invalid(f"The body holds more than {MAX_FIELDS} form fields."))
             else:
                 upload.fields[name] = ""
 
@@ -249,9 +262,13 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
                 except APIError as exc:
                     failure.append(exc)
 
+        def on_end() -> None:
+            state["ended"] = True
+
         parser = MultipartParser(options[b"boundary"], {
             "on_header_field": on_header_field, "on_header_value": on_header_value, "on_header_end": on_header_end,
-            "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end})
+            "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end,
+            "on_end": on_end})
         broken = None
         async for data in body:  # read to the end even when the body is refused: the client then reads the answer
             if broken is None:
@@ -264,6 +281,9 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
                 parser.finalize()
             except MultipartParseError as exc:
                 broken = exc
+        if broken is None and not state["ended"]:
+            raise APIError.invalid("The multipart body ends before its closing boundary: it was cut short, and "
+                                   "nothing of it is stored.", param=field)
         if broken is not None:
             raise APIError.invalid(f"The multipart body could not be read ({broken}); a part's headers, its "
                                    "filename among them, are limited in size.", param=field)
@@ -271,5 +291,8 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
             raise failure[0]  # the writer removes what it wrote
         if upload.filename is None:
             raise APIError.invalid(f"The body has no part named '{field}'.", param=field)
+        if callable(check) and type(check(upload.fields)) is not type(state["check"]):
+            raise APIError.invalid(f"The form fields that say what the file is (purpose) must come before the "
+                                   f"'{field}' part, as OpenAI's clients send them.", param="purpose")
     upload.bytes = state["check"].bytes
     return upload
