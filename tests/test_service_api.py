@@ -4,6 +4,7 @@ health, readiness and audit records."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import json
@@ -28,6 +29,7 @@ def api(tmp_path_factory):
     from spark_llm.service import audit
     from spark_llm.service.access import Service
     from spark_llm.service.api import create_app
+    from spark_llm.service.door import uvicorn_config
     from spark_llm.service.files import FileStorage
     from spark_llm.service.scheduler import Scheduler
     from spark_llm.service.settings import ServiceSettings
@@ -46,7 +48,7 @@ def api(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, log_level="warning"))  # serve's
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -406,3 +408,34 @@ def test_an_upload_is_one_file_part_after_its_purpose_in_a_whole_body_or_nothing
         assert answer.status_code == 200 and answer.json()["bytes"] == len(line)
     assert {f.id for f in client.files.list()} == before | {answer.json()["id"]}
     assert len(names() - stored) == 1 and not [n for n in names() if n.endswith(".partial")]
+
+
+def test_headers_over_the_bound_are_refused_unread(api):
+    """A request whose headers are over 64 KiB, whether they come at once or in pieces, gets 431 in OpenAI's error
+    shape (no key needed to be refused); a request that is not HTTP gets 400 the same way; ordinary ones go on."""
+    from spark_llm.service.door import MAX_HEADER_BYTES
+
+    def ask(raw: bytes, pieces: int = 1) -> tuple[int, dict]:
+        with socket.create_connection(("127.0.0.1", api["port"]), timeout=30) as s:
+            step = -(-len(raw) // pieces)
+            with contextlib.suppress(ConnectionError):  # the server may close as soon as it has refused
+                for i in range(0, len(raw), step):
+                    s.sendall(raw[i:i + step])
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                data = s.recv(65536)
+                if not data:
+                    break
+                answer += data
+        head, _, body = answer.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)
+
+    big = b"GET /v1/files HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (4 * MAX_HEADER_BYTES) + b"\r\n\r\n"
+    for pieces in (1, 64):
+        status, body = ask(big, pieces)
+        assert status == 431 and body["error"]["code"] == "invalid_http_request", (pieces, body)
+    status, body = ask(b"NOT HTTP AT ALL\r\n\r\n")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    fine = f"GET /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nX-Ok: {'a' * 4000}\r\n\r\n"
+    status, body = ask(fine.encode())
+    assert status == 200 and body["object"] == "list"

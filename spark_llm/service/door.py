@@ -65,3 +65,50 @@ async def _refuse(send: Any, error: APIError) -> None:
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+#: Bytes of a request's line and headers the server reads before it refuses them (431): OpenAI's clients send about
+#: one kilobyte.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+def uvicorn_config(app: Any, **settings: Any) -> Any:
+    """The uvicorn settings the service runs ``app`` with: ``settings`` and the bounded HTTP protocol."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=http_protocol(), **settings)
+
+
+def http_protocol() -> Any:
+    """uvicorn's h11 protocol (``uvicorn.Config(http=...)``) with the request line and headers bounded at
+    :data:`MAX_HEADER_BYTES` (httptools, uvicorn's default where installed, reads headers of any size), and its
+    refusal of a request it cannot read in OpenAI's error shape: 431 for headers over the bound, else 400."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+            self.refusal: Any = None
+            next_event = self.conn.next_event
+
+            def recording() -> Any:  # uvicorn drops h11's error, which says why (its error_status_hint)
+                try:
+                    return next_event()
+                except h11.RemoteProtocolError as exc:
+                    self.refusal = exc
+                    raise
+            self.conn.next_event = recording  # type: ignore[method-assign]
+
+        def send_400_response(self, msg: str) -> None:
+            status = getattr(self.refusal, "error_status_hint", 400)
+            error = APIError(status, f"The request's line and headers are over {MAX_HEADER_BYTES:,} bytes." if
+                             status == 431 else "The request is not valid HTTP/1.1.", code="invalid_http_request")
+            body = json.dumps(error.body()).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return Protocol

@@ -56,6 +56,7 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     from . import audit
     from .access import Service
     from .api import create_app
+    from .door import uvicorn_config
     from .files import FileStorage
     from .scheduler import Scheduler
     from .store import Store
@@ -96,7 +97,7 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
               "no API keys: listening on this machine only; give --api-keys FILE to serve others")
     print(f"spark-llm serve: http://{settings.host}:{port}/v1 ({access}); storage {files.root}", file=sys.stderr,
           flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0
 
