@@ -43,8 +43,7 @@ def api(tmp_path_factory):
     handler = audit.write_to(settings.audit_path())
     store = Store(settings.database())
     scheduler = Scheduler(BatchConfig(model="/m"), settings, store, files, session=lambda: None)
-    app = create_app(Service(settings=settings, store=store, files=files, scheduler=scheduler,
-                             keys=settings.keys()))
+    app = create_app(Service(settings=settings, store=store, files=files, scheduler=scheduler))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -439,3 +438,39 @@ def test_headers_over_the_bound_are_refused_unread(api):
     fine = f"GET /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nX-Ok: {'a' * 4000}\r\n\r\n"
     status, body = ask(fine.encode())
     assert status == 200 and body["object"] == "list"
+
+
+def test_keys_file_edits_apply_without_a_restart(api, tmp_path):
+    """A key added to the keys file works at its next call, a removed key is refused at its next, an edited limit
+    applies; a line that does not parse leaves the last good keys in force."""
+    keys = api["root"] / "keys.txt"
+    original = keys.read_text()
+    url = f"http://127.0.0.1:{api['port']}/v1"
+    new_key = "sk-added-later"
+    added = openai.OpenAI(base_url=url, api_key=new_key, max_retries=0)
+    limited = openai.OpenAI(base_url=url, api_key=LIMITED, max_retries=0)
+
+    def rewrite(text: str) -> None:  # as an editor saves: a new file renamed over the old
+        tmp = keys.with_name("keys.tmp")
+        tmp.write_text(text)
+        tmp.replace(keys)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            added.files.list()
+        rewrite(original + f"{new_key} max_queued_batches=1\n")
+        assert added.files.list().data == []  # the new key works, no restart
+        source = added.files.create(file=jsonl(tmp_path / "a.jsonl", 1).open("rb"), purpose="batch")
+        added.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        with pytest.raises(openai.RateLimitError, match="1 unfinished batches, its limit"):
+            added.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        rewrite(original + f"{new_key} max_queued_batches=5\n")  # the edited limit applies
+        added.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        rewrite(original + f"{new_key} max_queued_batches=lots\n")  # does not parse: the last good read stays
+        assert added.files.list().data[0].id == source.id
+        rewrite(f"{KEY}\n{new_key}\n")  # the limited key removed
+        with pytest.raises(openai.AuthenticationError):
+            limited.files.list()
+        assert added.files.list().data[0].id == source.id
+    finally:
+        rewrite(original)
+    assert limited.files.list() is not None

@@ -24,7 +24,11 @@ class Service:
     store: Store
     files: FileStorage
     scheduler: Scheduler
-    keys: dict[str, str]  #: API key -> owner id; empty: no keys, one owner
+
+    @property
+    def keys(self) -> dict[str, str]:
+        """API key -> owner id, as the keys file says now; empty: no keys, one owner."""
+        return self.settings.keys()
 
 
 def service_of(request: Request) -> Service:

@@ -70,7 +70,7 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     store = Store(settings.database())
     scheduler = Scheduler(base, settings, store, files, session=lambda: _session(base, spark_conf or {}, master,
                                                                                    remote))
-    app = create_app(Service(settings=settings, store=store, files=files, scheduler=scheduler, keys=keys))
+    app = create_app(Service(settings=settings, store=store, files=files, scheduler=scheduler))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:

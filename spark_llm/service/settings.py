@@ -4,6 +4,7 @@ engine and Spark settings are ``spark-llm run``'s, shared by every batch the ser
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import socket
@@ -15,12 +16,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import PRIORITIES, ConfigError
 
+log = logging.getLogger(__name__)
+
 #: Environment variable holding API keys (comma-separated) when no --api-keys file is given.
 API_KEYS_ENV = "SPARK_LLM_API_KEYS"
 #: The owner of every file and batch of a server without keys.
 NO_KEY_OWNER = "local"
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+#: The last good read of each keys file (with the defaults its policies were made with): its stamp and policies.
+_KEYS_READ: dict[tuple, tuple[tuple, dict[str, "KeyPolicy"]]] = {}
 
 
 @dataclass(frozen=True)
@@ -144,18 +151,33 @@ class ServiceSettings(BaseModel):
                          max_enqueued_tokens=self.max_enqueued_tokens)
 
     def policies(self) -> dict[str, KeyPolicy]:
-        """API key -> its :class:`KeyPolicy`. Empty: no keys."""
-        if self.api_keys:
-            try:
-                lines = Path(self.api_keys).read_text(encoding="utf-8").splitlines()
-            except OSError as exc:
-                raise ConfigError(f"cannot read the API keys file {self.api_keys}: {exc.strerror}") from None
+        """API key -> its :class:`KeyPolicy`. Empty: no keys. The keys file is read again when it changes (its
+        modification time, size or inode), so a key added works at its next call, a key removed is refused at its
+        next, and edited limits apply, without a restart; the keys and their policies always come from one read.
+        An edit that does not parse leaves the last good read in force (logged)."""
+        if not self.api_keys:
+            return dict(self._policy(k.strip()) for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())
+        cache = (self.api_keys, self.max_queued_batches, self.max_enqueued_tokens)
+        last = _KEYS_READ.get(cache)
+        try:
+            stat = os.stat(self.api_keys)
+            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            if last is not None and last[0] == stamp:
+                return last[1]
+            lines = Path(self.api_keys).read_text(encoding="utf-8").splitlines()
             keys = [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
             if not keys:
                 raise ConfigError(f"the API keys file {self.api_keys} holds no key")
-        else:
-            keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-        return dict(self._policy(line) for line in keys)
+            policies = dict(self._policy(line) for line in keys)
+        except (OSError, ConfigError) as exc:
+            why = (f"cannot read the API keys file {self.api_keys}: {exc.strerror}" if isinstance(exc, OSError)
+                   else str(exc))
+            if last is None:
+                raise ConfigError(why) from None
+            log.warning("keys file: %s; the keys read before stay in force", why)
+            return last[1]
+        _KEYS_READ[cache] = (stamp, policies)
+        return policies
 
     def _policy(self, line: str) -> tuple[str, KeyPolicy]:
         key, *options = line.split()
