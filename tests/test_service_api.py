@@ -474,3 +474,16 @@ def test_keys_file_edits_apply_without_a_restart(api, tmp_path):
     finally:
         rewrite(original)
     assert limited.files.list() is not None
+
+
+def test_a_download_of_a_file_deleted_under_it_is_a_404_not_an_empty_200(api, tmp_path):
+    """The download finds the file's record, then its bytes are gone (a delete between the two): 404, as the delete
+    says, not a 200 whose body is cut short."""
+    client = api["client"]
+    uploaded = client.files.create(file=jsonl(tmp_path / "gone.jsonl", 3).open("rb"), purpose="batch")
+    assert client.files.content(uploaded.id).read() == (tmp_path / "gone.jsonl").read_bytes()
+    # the record stays and the bytes go, as a delete racing the download leaves them
+    [stored] = [p for p in (api["root"] / "storage" / "files").iterdir() if uploaded.id in p.name]
+    stored.unlink()
+    with pytest.raises(openai.NotFoundError, match=f"No file found with id '{uploaded.id}'"):
+        client.files.content(uploaded.id)

@@ -140,7 +140,10 @@ def retrieve_file(request: Request, file_id: str, who: str = Depends(owner)) -> 
 @files_router.get("/files/{file_id}/content")
 def file_content(request: Request, file_id: str, who: str = Depends(owner)) -> StreamingResponse:
     record = own_file(request, file_id, who)
-    chunks: Iterator[bytes] = service_of(request).files.chunks(record.location)
+    try:
+        chunks: Iterator[bytes] = service_of(request).files.chunks(record.location)
+    except FileNotFoundError:  # deleted since its record was read: gone, as the delete says
+        raise APIError.not_found("file", file_id) from None
     return StreamingResponse(chunks, media_type="application/octet-stream",
                              headers={"Content-Length": str(record.bytes)})
 

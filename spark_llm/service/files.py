@@ -74,10 +74,16 @@ class FileStorage:
         return swept
 
     def chunks(self, location: str) -> Iterator[bytes]:
+        """The file's bytes, chunk by chunk, from a stream opened here, before the first chunk is asked for: a file
+        gone (deleted since its record was read) raises FileNotFoundError now, not after an answer has started."""
         filesystem, path = python_filesystem(location)
-        with filesystem.open_input_stream(path) as stream:
-            while chunk := stream.read(CHUNK_BYTES):
-                yield chunk
+        stream = filesystem.open_input_stream(path)
+
+        def read() -> Iterator[bytes]:
+            with stream:
+                while chunk := stream.read(CHUNK_BYTES):
+                    yield chunk
+        return read()
 
     def size(self, location: str) -> Optional[int]:
         """Bytes of the file at ``location``; None when there is none."""
