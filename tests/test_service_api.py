@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 
 KEY = "sk-api-test"
 LIMITED = "sk-api-limited"  #: a key with limits of its own (its line in the keys file)
+IDLE_SECONDS = 3.0  #: the server's upload_idle_seconds (60 by default)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def api(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
     keys = root / "keys.txt"
     keys.write_text(f"{KEY}\n{LIMITED} priority=low max_queued_batches=2 max_enqueued_tokens=1000\n")
-    settings = ServiceSettings(storage=str(root / "storage"), api_keys=str(keys))
+    settings = ServiceSettings(storage=str(root / "storage"), api_keys=str(keys), upload_idle_seconds=IDLE_SECONDS)
     files = FileStorage(settings.storage)
     handler = audit.write_to(settings.audit_path())
     store = Store(settings.database())
@@ -487,3 +488,26 @@ def test_a_download_of_a_file_deleted_under_it_is_a_404_not_an_empty_200(api, tm
     stored.unlink()
     with pytest.raises(openai.NotFoundError, match=f"No file found with id '{uploaded.id}'"):
         client.files.content(uploaded.id)
+
+
+def test_a_stalled_upload_is_refused_and_leaves_nothing(api):
+    """A client that stops sending in the middle of its file part gets 408 once upload_idle_seconds have passed
+    without a byte (the test waits for that answer), and neither a record nor a file of it is kept."""
+    client, storage = api["client"], api["root"] / "storage" / "files"
+    before = {f.id for f in client.files.list()}
+    head = (b"--s\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            b"--s\r\nContent-Disposition: form-data; name=\"file\"; filename=\"slow.jsonl\"\r\n\r\n"
+            + b'{"custom_id": "c", "method": "POST"}\n' * 50)
+    with socket.create_connection(("127.0.0.1", api["port"]), timeout=60) as s:
+        started = time.monotonic()
+        s.sendall(b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: multipart/form-data; boundary=s\r\nContent-Length: 1000000\r\n\r\n" + head)
+        answer = s.recv(65536)  # blocks until the server answers: the client sends nothing more
+        waited = time.monotonic() - started
+        while not answer.endswith(b"}") and (more := s.recv(65536)):  # the rest of the answer
+            answer += more
+    head_line, _, body = answer.partition(b"\r\n\r\n")
+    assert head_line.split()[1] == b"408" and json.loads(body)["error"]["code"] == "upload_timeout"
+    assert waited >= IDLE_SECONDS  # it was the silence that ended it
+    assert {f.id for f in client.files.list()} == before
+    assert not list(storage.glob("*.partial"))

@@ -92,7 +92,7 @@ async def create_file(request: Request, who: str = Depends(owner)) -> FileObject
             return ImageCheck(service.scheduler.base.max_image_bytes)
         return TextCheck(service.settings.max_file_bytes)
     upload = await receive_upload(request.stream(), request.headers.get("content-type", ""), service.files, location,
-                                  check)
+                                  check, idle_seconds=service.settings.upload_idle_seconds)
     try:
         purpose = upload.fields.get("purpose")
         if purpose not in ("batch", "vision"):

@@ -4,6 +4,7 @@ it arrives and written straight to storage, checked on the way (size, not binary
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -194,8 +195,22 @@ class PartCheck(TextCheck):
 MAX_FIELDS = 16
 
 
+async def paced(body: AsyncIterator[bytes], idle_seconds: float) -> AsyncIterator[bytes]:
+    """``body``'s chunks, as long as each comes within ``idle_seconds`` of the one before; else 408."""
+    chunks = body.__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), idle_seconds)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise APIError(408, f"The upload sent nothing for {idle_seconds:g} s; nothing of it is kept. Send it "
+                                f"again.", code="upload_timeout") from None
+        yield chunk
+
+
 async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage: FileStorage, location: str,
-                         check: Any, field: str = "file") -> Upload:
+                         check: Any, field: str = "file", idle_seconds: float = 60.0) -> Upload:
     """Parse a ``multipart/form-data`` body as it arrives: the part named ``field`` is checked (``check``: a
     :class:`TextCheck`, a :class:`PartCheck` for a chunked upload's part, or a function of the form fields before
     the file part that gives the check, :class:`ImageCheck` for a ``vision`` file) and written to ``location``, the other
@@ -276,7 +291,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
             "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end,
             "on_end": on_end})
         broken = None
-        async for data in body:  # read to the end even when the body is refused: the client then reads the answer
+        async for data in paced(body, idle_seconds):  # read to the end even when refused: the client reads the answer
             if broken is None:
                 try:
                     parser.write(data)

@@ -70,6 +70,9 @@ class ServiceSettings(BaseModel):
         "one more wave before it yields again. 0: high-priority batches only share the task slots as they free.")
     max_file_bytes: int = Field(200 * 1000 * 1000, ge=1, description="Largest batch input file accepted (OpenAI: "
                                 "200 MB).")
+    upload_idle_seconds: float = Field(60.0, gt=0, description="An upload (a file, or a part of a chunked upload) "
+                                       "that sends nothing for this long is refused with 408 and nothing of it is "
+                                       "kept, so a stalled client does not hold a connection and a temporary file.")
     completion_windows: str = Field(
         "24h", description="completion_window values a batch may give, comma-separated durations (30s, 10m, 24h, "
         "2d; OpenAI accepts only 24h). A batch not done by then ends as expired: its answers in the output file, "

@@ -71,7 +71,8 @@ async def add_part(request: Request, upload_id: str, who: str = Depends(owner)) 
     id = "part_" + uuid.uuid4().hex[:24]
     location = service.files.location("uploads", upload_id, id)
     received = await receive_upload(request.stream(), request.headers.get("content-type", ""), service.files,
-                                    location, PartCheck(record.bytes - already), field="data")
+                                    location, PartCheck(record.bytes - already), field="data",
+                                    idle_seconds=service.settings.upload_idle_seconds)
     now = int(time.time())
     service.store.add_part(PartRecord(id=id, upload_id=upload_id, bytes=received.bytes, created_at=now,
                                       location=location))
