@@ -20,7 +20,7 @@ from . import monitor, ui, uploads
 from .access import Service, key_owner, new_id, own_batch, own_file, owner, service_of
 from .door import FrontDoor
 from .audit import audit
-from .files import ImageCheck, TextCheck, check_filename, receive_upload
+from .files import ImageCheck, TextCheck, check_filename, paced, receive_upload
 from .lifecycle import CANCELLABLE, Status
 from .protocol import APIError, Batch, BatchCreate, ExpiresAfter, FileDeleted, FileObject, Page
 from .settings import NO_KEY_OWNER
@@ -91,8 +91,8 @@ async def create_file(request: Request, who: str = Depends(owner)) -> FileObject
         if fields.get("purpose") == "vision":
             return ImageCheck(service.scheduler.base.max_image_bytes)
         return TextCheck(service.settings.max_file_bytes)
-    upload = await receive_upload(request.stream(), request.headers.get("content-type", ""), service.files, location,
-                                  check, idle_seconds=service.settings.upload_idle_seconds)
+    body = paced(request.stream(), service.settings.upload_idle_seconds)
+    upload = await receive_upload(body, request.headers.get("content-type", ""), service.files, location, check)
     try:
         purpose = upload.fields.get("purpose")
         if purpose not in ("batch", "vision"):

@@ -210,8 +210,8 @@ async def paced(body: AsyncIterator[bytes], idle_seconds: float) -> AsyncIterato
 
 
 async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage: FileStorage, location: str,
-                         check: Any, field: str = "file", idle_seconds: float = 60.0) -> Upload:
-    """Parse a ``multipart/form-data`` body as it arrives: the part named ``field`` is checked (``check``: a
+                         check: Any, field: str = "file") -> Upload:
+    """Parse a ``multipart/form-data`` body as it arrives (:func:`paced` bounds its pauses): the part named ``field`` is checked (``check``: a
     :class:`TextCheck`, a :class:`PartCheck` for a chunked upload's part, or a function of the form fields before
     the file part that gives the check, :class:`ImageCheck` for a ``vision`` file) and written to ``location``, the other
     parts are form fields (at most :data:`MAX_FIELDS`, 64 KiB each). One file part, after the fields that choose its
@@ -291,7 +291,7 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
             "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end,
             "on_end": on_end})
         broken = None
-        async for data in paced(body, idle_seconds):  # read to the end even when refused: the client reads the answer
+        async for data in body:  # read to the end even when the body is refused: the client then reads the answer
             if broken is None:
                 try:
                     parser.write(data)

@@ -272,7 +272,7 @@ class Store:
         query = t.select().where(t.c.owner == owner)
         if purpose:
             query = query.where(t.c.purpose == purpose)
-        return self._page(t, owner, query, limit, after, newest_first, _file_record)
+        return self._page(t, query, limit, after, newest_first, _file_record)
 
     def expired_files(self, now: float) -> list[FileRecord]:
         """Files past their ``expires_at`` that no unfinished batch reads."""
@@ -334,7 +334,7 @@ class Store:
     def batches(self, owner: str, limit: int, after: Optional[str]) -> tuple[list[BatchRecord], bool]:
         """A page of ``owner``'s batches, newest first, and whether more follow."""
         t = batches_table
-        return self._page(t, owner, t.select().where(t.c.owner == owner), limit, after, True, _batch_record)
+        return self._page(t, t.select().where(t.c.owner == owner), limit, after, True, _batch_record)
 
     def unfinished(self) -> list[BatchRecord]:
         """Every batch not in a final status, oldest first: the queue, the running ones, and after a restart the
@@ -443,12 +443,13 @@ class Store:
                        .values(lease_holder=None, lease_until=None))
 
     # ---- paging --------------------------------------------------------------------------------------------------
-    def _page(self, t: sa.Table, owner: str, query: Any, limit: int, after: Optional[str], newest_first: bool,
+    def _page(self, t: sa.Table, query: Any, limit: int, after: Optional[str], newest_first: bool,
               record: Any) -> tuple[list, bool]:
-        """A page of ``owner``'s rows of ``query`` after the cursor ``after``: one of the owner's own ids (any other
-        id, another owner's too, is unknown and pages nothing, so a list says nothing of other owners' ids)."""
+        """A page of the rows of ``query`` (one owner's) after the cursor ``after``, which must be one of those
+        rows: any other id, another owner's too, is unknown and pages nothing, so a list says nothing of others'
+        ids."""
         if after:
-            cursor = sa.select(t.c.seq).where(t.c.id == after, t.c.owner == owner).scalar_subquery()
+            cursor = query.with_only_columns(t.c.seq).where(t.c.id == after).scalar_subquery()
             query = query.where(t.c.seq < cursor if newest_first else t.c.seq > cursor)
         query = query.order_by(t.c.seq.desc() if newest_first else t.c.seq).limit(limit + 1)
         with self.engine.connect() as db:

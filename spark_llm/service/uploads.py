@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 
 from .access import owner, service_of
 from .audit import audit
-from .files import PartCheck, TextCheck, check_filename, receive_upload
+from .files import PartCheck, TextCheck, check_filename, paced, receive_upload
 from .protocol import APIError, FileObject, Upload, UploadComplete, UploadCreate, UploadPart
 from .store import FileRecord, PartRecord, UploadRecord
 
@@ -70,9 +70,9 @@ async def add_part(request: Request, upload_id: str, who: str = Depends(owner)) 
     already = sum(p.bytes for p in service.store.parts(upload_id))
     id = "part_" + uuid.uuid4().hex[:24]
     location = service.files.location("uploads", upload_id, id)
-    received = await receive_upload(request.stream(), request.headers.get("content-type", ""), service.files,
-                                    location, PartCheck(record.bytes - already), field="data",
-                                    idle_seconds=service.settings.upload_idle_seconds)
+    received = await receive_upload(paced(request.stream(), service.settings.upload_idle_seconds),
+                                    request.headers.get("content-type", ""), service.files, location,
+                                    PartCheck(record.bytes - already), field="data")
     now = int(time.time())
     service.store.add_part(PartRecord(id=id, upload_id=upload_id, bytes=received.bytes, created_at=now,
                                       location=location))
