@@ -126,7 +126,7 @@ def prestart_here(run: RunContext, conf: dict[str, str]) -> bool:
         ictx = InferContext.of_run(run)
         executor = Executor(local_executor(run.spark), local_worker_env(conf))
         slots = ictx.place.local_slots(executor.pid)
-        prestart_slots(ictx.engine, ictx.process, slots, executor)
+        prestart_slots(ictx.engine, ictx.process, slots, executor, ictx.run_id)
     except Exception as exc:  # only a head start
         log.info("batch %s: the engines start from a warm-up job (%s)", run.batch_id, exc)
         return False
@@ -154,4 +154,5 @@ def prestart_partition(batches: Iterator, ctx: InferContext) -> Iterator:
 
     for _ in batches:
         slot = ctx.place.local_slots()[TaskContext.get().partitionId()]
-        yield pd.DataFrame({"slot": [slot.name], "started": [prestart(ctx.engine, ctx.process, slot)]})
+        started = prestart(ctx.engine, ctx.process, slot, run_id=ctx.run_id)
+        yield pd.DataFrame({"slot": [slot.name], "started": [started]})

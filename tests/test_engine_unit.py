@@ -665,10 +665,13 @@ def test_the_local_warm_up_starts_each_slot_s_engine_from_the_driver_or_leaves_i
 
     run = SimpleNamespace(batch_id="b", spark=None)
     monkeypatch.setattr(warmup, "InferContext", SimpleNamespace(of_run=lambda run: SimpleNamespace(
-        place=TaskPlace(local_engines=2), engine="the-spec", process="the-process")))
+        place=TaskPlace(local_engines=2), engine="the-spec", process="the-process", run_id="the-run")))
     started = []
-    monkeypatch.setattr(warmup, "prestart_slots",
-                        lambda spec, process, slots, executor: started.extend((s, executor) for s in slots))
+
+    def prestart_slots(spec, process, slots, executor, run_id):
+        assert run_id == "the-run"  # a start that fails is the run's: its tasks do not start it again
+        started.extend((s, executor) for s in slots)
+    monkeypatch.setattr(warmup, "prestart_slots", prestart_slots)
     monkeypatch.setattr(warmup, "local_executor", lambda spark: 31337)
     assert warmup.prestart_here(run, {"spark.executorEnv.OMP_NUM_THREADS": "3"})
     assert [slot for slot, _ in started] == [Slot("cpu-31337-0"), Slot("cpu-31337-1")]

@@ -321,16 +321,18 @@ class Executor:
     environ: Mapping[str, str]
 
 
-def prestart(spec: Any, process: ProcessSettings, slot: Slot, executor: Optional[Executor] = None) -> bool:
+def prestart(spec: Any, process: ProcessSettings, slot: Slot, executor: Optional[Executor] = None,
+             run_id: str = "") -> bool:
     """Start ``slot``'s engine for ``spec`` loading and return at once (the warm-up of local masters: engines load
     while the driver prepares the batch); the first task that needs it waits for it in :func:`engine_for`. Nothing
     is started when the engine runs or is starting already, or while a task is starting one. Returns whether one
-    was started. ``executor``: the executor's, when this process is not one of its Python workers."""
-    return bool(prestart_slots(spec, process, [slot], executor))
+    was started. ``executor``: the executor's, when this process is not one of its Python workers. ``run_id``: the
+    run it starts for, whose tasks then do not start it again if it cannot start (:func:`start_failed_marker`)."""
+    return bool(prestart_slots(spec, process, [slot], executor, run_id))
 
 
 def prestart_slots(spec: Any, process: ProcessSettings, slots: Sequence[Slot],
-                   executor: Optional[Executor] = None) -> list[Slot]:
+                   executor: Optional[Executor] = None, run_id: str = "") -> list[Slot]:
     """:func:`prestart` for several slots of one executor at once; returns the slots whose engines it started. CPU
     slots started together share one process, which imports vLLM once and forks an engine process per slot
     (``engine_host.server --slot A --slot B``): most of an engine's start on a CPU is its imports, which would
@@ -348,7 +350,7 @@ def prestart_slots(spec: Any, process: ProcessSettings, slots: Sequence[Slot],
             started.append(slot)
         cpu = [s for s in started if not s.devices]
         for group in ([cpu] if cpu else []) + [[s] for s in started if s.devices]:
-            _spawn_server(group, spec, process, executor)
+            _spawn_server(group, spec, process, executor, run_id)
     finally:
         for fd in locks:
             os.close(fd)
@@ -416,10 +418,11 @@ def signal_engine(info: SlotRecord, signum: int) -> bool:
 
 
 def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
-                  executor: Optional[Executor] = None) -> subprocess.Popen:
+                  executor: Optional[Executor] = None, run_id: str = "") -> subprocess.Popen:
     """Start the engine server of ``slots`` (one slot, or several CPU slots whose servers the process forks once it
     has imported vLLM), each recorded as starting (``<slot>.starting``: the process's pid, key and devices) until it
-    is ready (``<slot>.json``); they serve this process's executor, or ``executor``."""
+    is ready (``<slot>.json``); they serve this process's executor, or ``executor``. A server started ahead of a
+    run's tasks (``run_id``) that cannot start records so for that run itself, for no task may be waiting on it."""
     first = slots[0]
     if len(slots) > 1 and any(s.devices for s in slots):
         raise ValueError("only CPU slots share an engine server's start")
@@ -440,7 +443,7 @@ def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
     cmd = [sys.executable, "-m", "spark_llm.engine_host.server", *[a for s in slots for a in ("--slot", s.name)],
            "--devices", ",".join(first.devices), "--spec-file", str(spec_file), "--key", spec.key,
            "--watch-pid", str(executor.pid if executor is not None else executor_pid()),
-           "--idle-timeout", str(process.engine_idle_timeout_seconds or 0)]
+           "--idle-timeout", str(process.engine_idle_timeout_seconds or 0), "--run-id", run_id]
     with open(first.path(SlotFile.LOG), "ab") as logf:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)

@@ -45,7 +45,8 @@ from typing import Any, Iterator, Optional, Sequence
 from ..errors import EngineStartError, RequestError
 from ..media import decode
 from ..host import process_alive, try_lock, write_private
-from .directory import STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, engine_dir, event, process_record
+from .directory import (STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, engine_dir, event, process_record,
+                        start_failed_marker)
 from .isolation import generate_isolating, is_fatal
 from .protocol import (POOLING_CALLS, Ask, EngineRequest, EngineTask, Output, Reply, RequestFailure, SlotRecord,
                        SlotStats)
@@ -671,6 +672,15 @@ def _record_of(slot: Slot, pid: int) -> Optional[SlotRecord]:
     return record if record is not None and record.pid == pid else None
 
 
+def could_not_start(slot: Slot, args: argparse.Namespace, why: str) -> None:
+    """Say why the slot's engine could not start: to whoever waits for it (``<slot>.error``), and, for a server
+    started ahead of a run, to that run's tasks (:func:`~.directory.start_failed_marker`), which may come after it
+    has gone and would otherwise start it again."""
+    slot.path(SlotFile.ERROR).write_text(why)
+    if args.run_id:
+        start_failed_marker(slot, args.key, args.run_id).write_text(why)
+
+
 def serve(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m spark_llm.engine_host.server")
     p.add_argument("--slot", action="append", required=True,
@@ -680,6 +690,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--key", required=True)
     p.add_argument("--watch-pid", type=int, required=True)
     p.add_argument("--idle-timeout", type=float, default=0.0)
+    p.add_argument("--run-id", default="", help="the run this server was started ahead of (its start failure is the "
+                                                "run's: start_failed_marker)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
     launcher, t0 = None, time.monotonic()
@@ -700,8 +712,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
         while (fd := try_lock(device_lock(device))) is None:
             if time.monotonic() > deadline:
-                slot.path(SlotFile.ERROR).write_text(f"GPU {device} is still held by another engine process after "
-                                               f"{STOP_TIMEOUT_SECONDS:.0f}s; see {engine_dir()}")
+                could_not_start(slot, args, f"GPU {device} is still held by another engine process after "
+                                            f"{STOP_TIMEOUT_SECONDS:.0f}s; see {engine_dir()}")
                 server.stop("device busy", code=1)
             time.sleep(0.2)
         device_locks.append(fd)
@@ -723,7 +735,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
                                  spec.settings.get("reasoning_parser"))
     except EngineStartError as exc:
         log.error("engine for slot %s could not start: %s", slot.name, exc)
-        slot.path(SlotFile.ERROR).write_text(str(exc))
+        could_not_start(slot, args, str(exc))
         server.stop("engine could not start", code=1)
     load_s = time.monotonic() - t0
     threading.Thread(target=server.run, name="engine", daemon=True).start()
