@@ -326,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                    default="llm",
                    help="llm: the tiny Llama; lora: a LoRA adapter for the tiny Llama given by --base; embedding: a "
                         "sentence-transformers embedding model of it; classifier: a moderation classifier of it "
-                        "(OpenAI's categories as labels); cross-encoder: a one-label relevance scorer of it (score, rerank); vision: a LLaVA-shaped vision-language model around a tiny "
-                        "Llama")
+                        "(OpenAI's categories as labels); cross-encoder: a one-label relevance scorer of it (score, "
+                        "rerank); vision: a LLaVA-shaped vision-language model around a tiny Llama")
     p.add_argument("--base", help="with --kind lora, embedding, classifier or cross-encoder: the tiny Llama's "
                                   "directory (built first when not given, but for lora)")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the weights")

@@ -234,7 +234,8 @@ def shapes_cases() -> list[tuple[dict, str]]:
          OK),
         (completion_line("comp-list", ["Once upon", [5, 6, 7]], temperature=0.8, seed=2, max_tokens=3, n=2), OK),
         (chat_line("max-completion", "Hi", temperature=0, max_completion_tokens=2), OK),
-        (completion_line("comp-echo", ["Once upon a time", "批量 处理"], temperature=0, max_tokens=3, echo=True), OK),
+        (completion_line("comp-echo", ["Once upon a time", "批量 处理"], temperature=0, max_tokens=3, echo=True),
+         OK),
         # a LoRA adapter: the same prompt on the base model and on the adapter
         (chat_line("base-story", "Tell a story about Spark.", temperature=0, max_tokens=6), OK),
         (on_model(chat_line("lora-story", "Tell a story about Spark.", temperature=0, max_tokens=6), ADAPTER), OK),

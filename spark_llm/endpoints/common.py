@@ -558,9 +558,9 @@ class Answer:
     embeddings: Optional[list[list[float]]] = None  #: one vector per input (embeddings endpoint)
     #: the typed result columns of the outputs table (:data:`~spark_llm.schemas.OUTPUTS_COLUMNS`) for SQL readers
     flagged: Optional[bool] = None                      #: moderations: any input flagged
-    labels: Optional[list[str]] = None                  #: classify: each input's label; moderations: flagged categories
-    scores: Optional[list[float]] = None                #: classify: each label's probability; score, rerank: each pair's
-    category_scores: Optional[dict[str, float]] = None  #: moderations: each category's highest score over the inputs
+    labels: Optional[list[str]] = None                  #: classify: each input's label; moderations: flagged ones
+    scores: Optional[list[float]] = None                #: classify: each label's probability; score, rerank: pairs'
+    category_scores: Optional[dict[str, float]] = None  #: moderations: each category's highest score
 
 
 def finish_reason(reason: Optional[str]) -> str:

@@ -211,12 +211,13 @@ async def paced(body: AsyncIterator[bytes], idle_seconds: float) -> AsyncIterato
 
 async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage: FileStorage, location: str,
                          check: Any, field: str = "file") -> Upload:
-    """Parse a ``multipart/form-data`` body as it arrives (:func:`paced` bounds its pauses): the part named ``field`` is checked (``check``: a
-    :class:`TextCheck`, a :class:`PartCheck` for a chunked upload's part, or a function of the form fields before
-    the file part that gives the check, :class:`ImageCheck` for a ``vision`` file) and written to ``location``, the other
-    parts are form fields (at most :data:`MAX_FIELDS`, 64 KiB each). One file part, after the fields that choose its
-    check, and a body that ends with its closing boundary, or nothing is stored. A refused upload leaves nothing
-    stored; the body is still read to its end, so that the client reads the answer and not a reset."""
+    """Parse a ``multipart/form-data`` body as it arrives (:func:`paced` bounds its pauses): the part named ``field``
+    is checked (``check``: a :class:`TextCheck`, a :class:`PartCheck` for a chunked upload's part, or a function of
+    the form fields before the file part that gives the check, :class:`ImageCheck` for a ``vision`` file) and
+    written to ``location``, the other parts are form fields (at most :data:`MAX_FIELDS`, 64 KiB each). One file
+    part, after the fields that choose its check, and a body that ends with its closing boundary, or nothing is
+    stored. A refused upload leaves nothing stored; the body is still read to its end, so that the client reads the
+    answer and not a reset."""
     from python_multipart.exceptions import MultipartParseError
     from python_multipart.multipart import MultipartParser, parse_options_header
 

@@ -1,8 +1,9 @@
 """The scheduler: owns the server's Spark session and runs each batch as the job runs it (``run_batch`` over the
 uploaded file, its rows in the shared tables), ``max_running_batches`` at a time, in the queue's order (by priority,
-then in rounds over the keys: :func:`.queue.queue_order`); the API never touches Spark. It moves a batch through its life (:mod:`.lifecycle`) as the run reports it (:class:`_Progress`), stops a run
-that is cancelled or whose completion window runs out, and then ends the batch with one more run that writes every
-request not answered as a ``batch_cancelled`` / ``batch_expired`` error row (``finish_unanswered``).
+then in rounds over the keys: :func:`.queue.queue_order`); the API never touches Spark. It moves a batch through its
+life (:mod:`.lifecycle`) as the run reports it (:class:`_Progress`), stops a run that is cancelled or whose
+completion window runs out, and then ends the batch with one more run that writes every request not answered as a
+``batch_cancelled`` / ``batch_expired`` error row (``finish_unanswered``).
 
 Everything it needs is in the store and under the storage root: a server started again (after a crash or
 ``kill -9``) picks up every batch that is not final, and a batch that had started runs again with ``resume``, which
