@@ -9,6 +9,8 @@ from pyspark.sql import Column
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from .endpoints import ENDPOINTS
+
 S, L, I = T.StringType(), T.LongType(), T.IntegerType()
 
 
@@ -65,8 +67,7 @@ OUTPUTS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "request_id": (S, "response.request_id in output.jsonl"),
     "file": (S, "Input file the request came from"),
     "line_number": (L, "1-based line number of the request in its input file"),
-    "endpoint": (S, "Request url: /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings (the "
-                    "vectors: the embeddings table), /v1/moderations, /v1/classify, /v1/score or /v1/rerank"),
+    "endpoint": (S, f"Request url: {', '.join(ENDPOINTS)} (embeddings: the vectors also in the embeddings table)"),
     "model": (S, "Served model name"),
     "text": (S, "Answer text of the first choice (after any reasoning; JSON text for structured outputs); null "
                 "when the answer is only tool calls"),

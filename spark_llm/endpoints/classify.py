@@ -23,11 +23,7 @@ prompt_texts, ADD_SPECIAL_TOKENS = completions.prompt_texts, completions.ADD_SPE
 def check(body: dict, ctx: Any) -> Checked:
     common.check_fields(body, FIELDS, URL)
     inputs = common.text_or_token_inputs(body.get("input"), "body.input", URL, MAX_INPUTS)
-    pooling: dict[str, Any] = {"max_tokens": 0}  # nothing is generated: the cost of a request is its input tokens
-    activation = common.boolean(body, "use_activation")
-    if activation is not None:  # False: the raw logits (vLLM's PoolingParams.use_activation)
-        pooling["use_activation"] = activation
-    return Checked(inputs, pooling)
+    return Checked(inputs, common.classifier_settings(body))
 
 
 def respond(outputs: list, reply: Reply) -> Answer:

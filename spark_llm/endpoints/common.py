@@ -94,6 +94,17 @@ _HARMLESS_TYPES = {"stream": bool, "store": bool, "user": str, "metadata": dict,
 _TYPE_NAMES = {bool: "a boolean", str: "a string", dict: "an object"}
 
 
+def classifier_settings(body: dict) -> dict[str, Any]:
+    """PoolingParams keyword arguments of a request to a classifier (classify, score, rerank): its
+    ``use_activation`` (false: the raw logits). ``max_tokens`` 0: nothing is generated, a request costs its input
+    tokens in the partition plan (and is no pooling setting: :func:`~.engine_side.engine_params` drops it)."""
+    settings: dict[str, Any] = {"max_tokens": 0}
+    activation = boolean(body, "use_activation")
+    if activation is not None:
+        settings["use_activation"] = activation
+    return settings
+
+
 def check_fields(body: dict, allowed: frozenset, url: str) -> None:
     for key, kind in _HARMLESS_TYPES.items():
         if body.get(key) is not None and not isinstance(body[key], kind):

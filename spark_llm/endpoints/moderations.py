@@ -32,13 +32,17 @@ CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening"
 prompt_texts, ADD_SPECIAL_TOKENS = completions.prompt_texts, completions.ADD_SPECIAL_TOKENS
 
 
-def classes(labels: Sequence[str], mapping: Mapping[str, str], threshold: float) -> Classes:
-    """The meaning of a classifier's ``labels`` for moderation: each label's category is ``mapping[label]`` when
-    given ("" for none), else the category its name spells, compared without case and with ``_`` or ``-`` for
-    ``/`` (``HATE_THREATENING``, ``self_harm``); a label naming no category counts for none."""
+def categories(labels: Sequence[str], mapping: Mapping[str, str]) -> tuple[Optional[str], ...]:
+    """The OpenAI category each of a classifier's ``labels`` counts for: ``mapping[label]`` when given ("" for
+    none), else the category its name spells, compared without case and with ``_`` or ``-`` for ``/``
+    (``HATE_THREATENING``, ``self_harm``); a label naming no category counts for none."""
     spelled = {_spelling(c): c for c in CATEGORIES}
-    return Classes(tuple(labels), tuple((mapping[label] or None) if label in mapping else spelled.get(_spelling(label))
-                                        for label in labels), threshold)
+    return tuple((mapping[label] or None) if label in mapping else spelled.get(_spelling(label)) for label in labels)
+
+
+def classes(labels: Sequence[str], mapping: Mapping[str, str], threshold: float) -> Classes:
+    """The meaning of a classifier's ``labels`` for moderation (:func:`categories`) and its flagging threshold."""
+    return Classes(tuple(labels), categories(labels, mapping), threshold)
 
 
 def _spelling(name: str) -> str:
@@ -47,7 +51,7 @@ def _spelling(name: str) -> str:
 
 def unfit(ctx: Any) -> Optional[str]:
     """Why a classifier cannot moderate (none of its labels maps to a category), or None."""
-    if any(classes(ctx.labels, ctx.moderation_labels, 0.5).categories):
+    if any(categories(ctx.labels, ctx.moderation_labels)):
         return None
     return (f"none of {ctx.served_model_name!r}'s labels ({', '.join(ctx.labels[:8]) or 'none'}) is an OpenAI "
             f"moderation category: map them with the moderation_labels setting (label -> category, e.g. toxic -> "

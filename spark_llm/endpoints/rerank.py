@@ -36,7 +36,7 @@ def check(body: dict, ctx: Any) -> Checked:
         options["top_n"] = common.number(body, "top_n", 0, MAX_DOCUMENTS, integer=True)
     if common.boolean(body, "return_documents") is not False:  # the texts go back in the answer (the default)
         options["documents"] = documents
-    return Checked([[query, d] for d in documents], score.pooling(body), options)
+    return Checked([[query, d] for d in documents], common.classifier_settings(body), options)
 
 
 def respond(outputs: list, reply: Reply) -> Answer:

@@ -43,7 +43,7 @@ def check(body: dict, ctx: Any) -> Checked:
     pairs = [[firsts[0] if len(firsts) == 1 else firsts[i], second] for i, second in enumerate(seconds)]
     if len(pairs) > MAX_PAIRS:
         raise invalid(f"the request holds {len(pairs)} pairs; at most {MAX_PAIRS} are allowed per request")
-    return Checked(pairs, pooling(body))
+    return Checked(pairs, common.classifier_settings(body))
 
 
 def unfit(ctx: Any) -> Optional[str]:
@@ -55,14 +55,6 @@ def unfit(ctx: Any) -> Optional[str]:
         return (f"{ctx.served_model_name!r} reads token type ids (a BERT-style cross-encoder), which spark_llm does "
                 f"not pass to the engine yet; use a cross-encoder without them (XLM-RoBERTa or decoder based)")
     return None
-
-
-def pooling(body: dict) -> dict[str, Any]:
-    settings: dict[str, Any] = {"max_tokens": 0}  # nothing is generated: the cost of a request is its input tokens
-    activation = common.boolean(body, "use_activation")
-    if activation is not None:
-        settings["use_activation"] = activation
-    return settings
 
 
 def texts(value: Any, where: str) -> list[str]:

@@ -49,9 +49,14 @@ def owner(request: Request) -> str:
         return NO_KEY_OWNER
     who = key_owner(keys, request.headers.get("authorization", ""))
     if who is None:
-        raise APIError(401, "Incorrect API key provided. Give one of this server's keys as 'Authorization: "
-                       "Bearer <key>'.", code="invalid_api_key")
+        raise unknown_key()
     return who
+
+
+def unknown_key() -> APIError:
+    """The refusal of a call without one of the server's keys, as OpenAI answers it (401)."""
+    return APIError(401, "Incorrect API key provided. Give one of this server's keys as 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key")
 
 
 def new_id(prefix: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable, Mapping
 
-from .access import key_owner
+from .access import key_owner, unknown_key
 from .protocol import APIError
 
 #: Largest JSON body a call may send: OpenAI's batch and upload requests are a few hundred bytes; metadata holds
@@ -29,8 +29,7 @@ class FrontDoor:
         headers = {k.lower(): v for k, v in scope["headers"]}
         keys = self.keys()
         if keys and key_owner(keys, headers.get(b"authorization", b"").decode("latin-1")) is None:
-            return await _refuse(send, APIError(401, "Incorrect API key provided. Give one of this server's keys as "
-                                                     "'Authorization: Bearer <key>'.", code="invalid_api_key"))
+            return await _refuse(send, unknown_key())
         if scope["method"] not in ("POST", "PUT", "PATCH") or headers.get(b"content-type", b"").startswith(
                 b"multipart/"):
             return await self.app(scope, receive, send)
