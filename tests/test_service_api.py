@@ -252,7 +252,7 @@ def test_images_uploaded_with_purpose_vision_are_the_owner_s_for_its_batches(api
     theirs = other.files.create(file=("dog.png", buf.getvalue()), purpose="vision")
     store, scheduler = api["store"], api["scheduler"]
     owner = store.file(image.id).owner
-    images = scheduler.images_of(owner)
+    images = scheduler.runner.images_of(owner)
     assert image.id in images and theirs.id not in images
     assert Path(images[image.id]).read_bytes() == buf.getvalue()
 
@@ -511,3 +511,22 @@ def test_a_stalled_upload_is_refused_and_leaves_nothing(api):
     assert waited >= IDLE_SECONDS  # it was the silence that ended it
     assert {f.id for f in client.files.list()} == before
     assert not list(storage.glob("*.partial"))
+
+
+def test_a_batch_created_as_its_file_is_deleted_is_a_404_not_a_batch_that_fails_later(api, tmp_path, monkeypatch):
+    """The delete lands between batches.create's look at the file and the batch's insert: the create answers 404
+    for the file, as it would a moment later, and no batch is left to fail with a misleading invalid_config."""
+    client, store = api["client"], api["store"]
+    uploaded = client.files.create(file=jsonl(tmp_path / "deleted.jsonl", 3).open("rb"), purpose="batch")
+    looked_up = store.file
+
+    def file_then_deleted(id: str, owner=None):
+        record = looked_up(id, owner)
+        if id == uploaded.id and record is not None:
+            assert store.delete_file(id) is None  # what DELETE /v1/files/{id} does in the meantime
+        return record
+    monkeypatch.setattr(store, "file", file_then_deleted)
+    before = {b.id for b in client.batches.list(limit=100)}
+    with pytest.raises(openai.NotFoundError, match=f"No file found with id '{uploaded.id}'"):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert {b.id for b in client.batches.list(limit=100)} == before

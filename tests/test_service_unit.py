@@ -3,6 +3,8 @@ settings' checks, the upload checks, and the shapes against openai-python's own 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from conftest import eventually
@@ -24,8 +26,16 @@ def test_every_status_but_validating_is_reached_and_stamped_in_a_batch_field():
 
 
 def _batch(id: str, owner: str = "o", status: Status = Status.VALIDATING) -> BatchRecord:
-    return BatchRecord(id=id, owner=owner, status=status, endpoint="/v1/chat/completions", input_file_id="file-1",
-                       completion_window="24h", created_at=1)
+    return BatchRecord(id=id, owner=owner, status=status, endpoint="/v1/chat/completions",
+                       input_file_id=f"file-{owner}", completion_window="24h", created_at=1)
+
+
+def _add(store: Store, batch: BatchRecord) -> None:
+    """``batch`` into ``store``, over an input file of its owner's (a batch is added only over one)."""
+    if store.file(batch.input_file_id) is None:
+        store.add_file(FileRecord(id=batch.input_file_id, owner=batch.owner, filename="in.jsonl", purpose="batch",
+                                  bytes=3, created_at=1, location="/x"))
+    assert store.add_batch(batch)
 
 
 @pytest.fixture
@@ -36,7 +46,7 @@ def store(tmp_path):
 
 
 def test_a_status_moves_only_where_the_lifecycle_allows_and_stamps_its_time(store):
-    store.add_batch(_batch("b1"))
+    _add(store, _batch("b1"))
     assert store.move("b1", Status.COMPLETED) is None  # validating -> completed skips in_progress, finalizing
     moved = store.move("b1", Status.IN_PROGRESS, now=100, total=3)
     assert (moved.status, moved.in_progress_at, moved.total) == (Status.IN_PROGRESS, 100, 3)
@@ -50,7 +60,7 @@ def test_a_status_moves_only_where_the_lifecycle_allows_and_stamps_its_time(stor
 
 def test_pages_are_newest_first_and_owners_see_only_their_own(store):
     for n in range(5):
-        store.add_batch(_batch(f"b{n}", owner="a" if n % 2 == 0 else "b"))
+        _add(store, _batch(f"b{n}", owner="a" if n % 2 == 0 else "b"))
     page, more = store.batches("a", 2, None)
     assert [b.id for b in page] == ["b4", "b2"] and more
     page, more = store.batches("a", 2, "b2")
@@ -121,10 +131,11 @@ def shared_store(request, tmp_path):
         ServiceSettings(database_url=request.getfixturevalue("postgres").url).database()
     s = Store(url)
     if request.param == "postgresql":  # one database for the test run: start from an empty table
-        from spark_llm.service.store import batches_table
+        from spark_llm.service.store import batches_table, files_table
 
         with s.engine.begin() as db:
             db.execute(batches_table.delete())
+            db.execute(files_table.delete())
     yield s
     s.close()
 
@@ -134,7 +145,7 @@ def test_each_batch_is_claimed_by_one_server_of_many_claiming_at_once(shared_sto
 
     ids = [f"b{n}" for n in range(40)]
     for id in ids:
-        shared_store.add_batch(_batch(id))
+        _add(shared_store, _batch(id))
     won: dict[str, list[str]] = {"s1": [], "s2": [], "s3": []}
     start = threading.Barrier(len(won))
 
@@ -151,11 +162,49 @@ def test_each_batch_is_claimed_by_one_server_of_many_claiming_at_once(shared_sto
     assert all(shared_store.batch(id).lease_holder == holder[id] for id in ids)
 
 
+def test_a_batch_created_as_its_file_is_deleted_either_keeps_the_file_or_is_refused(shared_store):
+    """40 files, each deleted by one thread while another creates a batch over it at the same moment: whichever
+    wins, a batch never reads a file that is gone, and a file read by a batch is never deleted."""
+    import threading
+
+    batches = [_batch(f"b{n}", owner=f"o{n}") for n in range(40)]
+    for batch in batches:
+        _add(shared_store, batch)  # its file
+        assert shared_store.move(batch.id, Status.IN_PROGRESS) and shared_store.move(batch.id, Status.FINALIZING)
+        assert shared_store.move(batch.id, Status.COMPLETED)  # the file is read by no unfinished batch
+    created: dict[str, bool] = {}
+    refused: dict[str, object] = {}
+    start = threading.Barrier(2)
+
+    def create() -> None:
+        start.wait()
+        for batch in batches:
+            created[batch.id] = shared_store.add_batch(replace(batch, id=batch.id + "-again"))
+
+    def delete() -> None:
+        start.wait()
+        for batch in batches:
+            refused[batch.id] = shared_store.delete_file(batch.input_file_id)
+    threads = [threading.Thread(target=create), threading.Thread(target=delete)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for batch in batches:
+        again = shared_store.batch(batch.id + "-again")
+        file = shared_store.file(batch.input_file_id)
+        assert (again is not None) == created[batch.id]
+        if again is not None:  # created first: the delete saw it and left the file
+            assert file is not None and refused[batch.id].id == again.id
+        else:  # deleted first: the batch was refused
+            assert file is None and refused[batch.id] is None
+
+
 def test_a_lease_runs_out_unless_renewed_and_then_another_server_takes_the_batch(shared_store):
     """b2's lease is short and never renewed, b1's long and renewed: s2 gets b2 once its lease has run out (waited
     for), never b1. The leases' lengths differ by minutes, so no pause of this process decides the outcome."""
-    shared_store.add_batch(_batch("b1"))
-    shared_store.add_batch(_batch("b2"))
+    _add(shared_store, _batch("b1"))
+    _add(shared_store, _batch("b2"))
     assert shared_store.claim("b1", "s1", 300) and shared_store.claim("b2", "s1", 0.2)
     assert not shared_store.claim("b1", "s2", 30)
     assert shared_store.renew(["b1"], "s1", 300) == {"b1"}  # b2 is not renewed
@@ -219,13 +268,13 @@ def test_a_key_s_line_gives_its_priority_and_limits(tmp_path):
 # ---- the scheduler's decisions, without Spark ---------------------------------------------------------------------
 
 def _run(batch_id: str, priority: str = "normal", **state):
-    from spark_llm.service.scheduler import _Running
+    from spark_llm.service.runs import Run
 
-    return _Running(batch_id, priority=priority, **state)
+    return Run(batch_id, priority=priority, **state)
 
 
 def test_a_batch_starts_while_there_is_room_and_one_urgent_batch_more():
-    from spark_llm.service.scheduler import has_room
+    from spark_llm.service.queue import has_room
 
     assert has_room([], "normal", 1)
     assert not has_room([_run("a")], "normal", 1)
@@ -237,8 +286,6 @@ def test_a_batch_starts_while_there_is_room_and_one_urgent_batch_more():
 
 
 def test_the_queue_goes_by_priority_then_in_rounds_over_the_keys():
-    from dataclasses import replace
-
     from spark_llm.service.queue import queue_order
 
     def queued(id: str, owner: str, priority: str = "normal", status: Status = Status.VALIDATING) -> BatchRecord:
@@ -254,12 +301,42 @@ def test_the_queue_goes_by_priority_then_in_rounds_over_the_keys():
     running = [queued("a1", "a"), queued("b1", "b"), queued("a2", "a", status=Status.IN_PROGRESS)]
     assert [b.id for b in queue_order(running)] == ["b1", "a2", "a1"]
     assert queue_order([]) == []
+    # a key of weight 2 takes two turns a round: a1 a2, then b1, then a3 a4 (its second round), then b2
+    mixed = [queued("a1", "a"), queued("a2", "a"), queued("a3", "a"), queued("a4", "a"), queued("b1", "b"),
+             queued("b2", "b")]
+    assert [b.id for b in queue_order(mixed, {"a": 2})] == ["a1", "a2", "b1", "a3", "a4", "b2"]
+    assert [b.id for b in queue_order(mixed)] == ["a1", "b1", "a2", "b2", "a3", "a4"]
+
+
+def test_a_key_s_weight_comes_from_its_line():
+    from spark_llm.service.settings import KeyPolicy
+
+    assert KeyPolicy("o").weight == 1
+    settings = ServiceSettings()
+    assert settings._policy("sk-a weight=3")[1].weight == 3
+    for bad in ("sk-a weight=0", "sk-a weight=two"):
+        with pytest.raises(ConfigError, match="weight"):
+            settings._policy(bad)
+
+
+def test_a_batch_ends_early_when_cancelled_or_out_of_time_and_a_key_s_tokens_are_bounded():
+    from spark_llm.service.queue import ends_early, over_token_limit
+
+    batch = replace(_batch("b", "a", Status.IN_PROGRESS), expires_at=100)
+    assert ends_early(batch, 50) is None
+    assert ends_early(replace(batch, status=Status.CANCELLING), batch.created_at) is Status.CANCELLED
+    assert ends_early(batch, batch.expires_at + 1) is Status.EXPIRED
+    assert ends_early(replace(batch, status=Status.FINALIZING), batch.expires_at + 1) is None  # it is answered
+    assert over_token_limit({"b": 600, "c": 500}, "b", None) is None
+    assert over_token_limit({"b": 600, "c": 400}, "b", 1000) is None
+    message = over_token_limit({"b": 600, "c": 500}, "b", 1000)
+    assert "about 1,100 input tokens with this one (600); its limit is 1,000" in message
 
 
 def test_the_runs_that_yield_to_an_urgent_batch():
     import threading
 
-    from spark_llm.service.scheduler import to_pause
+    from spark_llm.service.queue import to_pause
 
     paused = threading.Event()  # cleared: the run yields already
     runs = [_run("plain"), _run("urgent", "high"), _run("ending", ending=True),

@@ -152,11 +152,10 @@ def file_content(request: Request, file_id: str, who: str = Depends(owner)) -> S
 def delete_file(request: Request, file_id: str, who: str = Depends(owner)) -> FileDeleted:
     service = service_of(request)
     record = own_file(request, file_id, who)
-    readers = service.store.batches_reading(file_id)
-    if readers:
-        raise APIError.invalid(f"The file is the input of batch {readers[0].id}, which has not finished; delete it "
+    reader = service.store.delete_file(file_id)
+    if reader is not None:
+        raise APIError.invalid(f"The file is the input of batch {reader.id}, which has not finished; delete it "
                                "once the batch is done (or cancel the batch).", param="file_id")
-    service.store.delete_file(file_id)
     service.files.delete(record.location)
     audit("file.deleted", owner=who, file=file_id)
     return FileDeleted(id=file_id)
@@ -213,7 +212,8 @@ def create_batch(request: Request, body: BatchCreate, who: str = Depends(owner))
                          expires_at=now + windows[body.completion_window], metadata=body.metadata,
                          output_expires_after=body.output_expires_after.seconds if body.output_expires_after
                          else None, priority=priority)
-    service.store.add_batch(record)
+    if not service.store.add_batch(record):  # the file was deleted since it was looked up
+        raise APIError.not_found("file", body.input_file_id)
     audit("batch.created", owner=who, batch=record.id, file=source.id, endpoint=body.endpoint, priority=priority)
     service.scheduler.wake()
     log.info("batch %s: created over %s (%s)", record.id, source.id, body.endpoint)

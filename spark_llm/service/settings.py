@@ -32,13 +32,15 @@ _KEYS_READ: dict[tuple, tuple[tuple, dict[str, "KeyPolicy"]]] = {}
 
 @dataclass(frozen=True)
 class KeyPolicy:
-    """What a key may do (options after the key on its line of the keys file: ``priority=low
+    """What a key may do (options after the key on its line of the keys file: ``priority=low weight=2
     max_queued_batches=10 max_enqueued_tokens=5000000``; else the server's defaults)."""
 
     owner: str
     priority: str = "normal"
     max_queued_batches: Optional[int] = None
     max_enqueued_tokens: Optional[int] = None
+    #: the key's turns in each round of the queue over the keys at one priority (:func:`.queue.queue_order`)
+    weight: int = 1
 
 
 class ServiceSettings(BaseModel):
@@ -50,8 +52,9 @@ class ServiceSettings(BaseModel):
     api_keys: Optional[str] = Field(
         None, description=f"File with the API keys clients may use, one a line (or the environment variable "
         f"{API_KEYS_ENV}, comma-separated). Every request then needs 'Authorization: Bearer <key>', and each key "
-        "sees only its own files and batches. A key's line may add its default priority and limits: "
-        "'sk-... priority=low max_queued_batches=10 max_enqueued_tokens=5000000'.")
+        "sees only its own files and batches. A key's line may add its default priority, its weight in the "
+        "queue (turns per round among the keys of one priority) and limits: "
+        "'sk-... priority=low weight=2 max_queued_batches=10 max_enqueued_tokens=5000000'.")
     storage: str = Field(
         "spark_llm_service", description="Storage root: uploaded files, each batch's output and error files and "
         "report, and the shared Delta tables (<storage>/tables/outputs, errors, metrics, embeddings, partitioned "
@@ -187,19 +190,23 @@ class ServiceSettings(BaseModel):
         given: dict[str, str] = {}
         for option in options:
             name, sep, value = option.partition("=")
-            if not sep or name not in ("priority", "max_queued_batches", "max_enqueued_tokens"):
-                raise ConfigError(f"keys file: {option!r} after a key is not priority=, max_queued_batches= or "
-                                  "max_enqueued_tokens=")
+            if not sep or name not in ("priority", "weight", "max_queued_batches", "max_enqueued_tokens"):
+                raise ConfigError(f"keys file: {option!r} after a key is not priority=, weight=, "
+                                  "max_queued_batches= or max_enqueued_tokens=")
             given[name] = value
         if given.get("priority", "normal") not in PRIORITIES:
             raise ConfigError(f"keys file: priority must be one of {', '.join(PRIORITIES)}, not {given['priority']!r}")
         try:
             limits = {name: int(given[name]) if name in given else getattr(self, name)
                       for name in ("max_queued_batches", "max_enqueued_tokens")}
+            weight = int(given.get("weight", 1))
         except ValueError:
-            raise ConfigError("keys file: max_queued_batches and max_enqueued_tokens are whole numbers") from None
+            raise ConfigError("keys file: weight, max_queued_batches and max_enqueued_tokens are whole "
+                              "numbers") from None
+        if weight < 1:
+            raise ConfigError(f"keys file: weight is 1 or more (a key's turns in each round), not {weight}")
         owner = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-        return key, KeyPolicy(owner, given.get("priority", "normal"), **limits)
+        return key, KeyPolicy(owner, given.get("priority", "normal"), weight=weight, **limits)
 
     def check(self) -> None:
         """Refuse settings a server must not start with."""

@@ -282,9 +282,20 @@ class Store:
         with self.engine.connect() as db:
             return [_file_record(r) for r in db.execute(query)]
 
-    def delete_file(self, id: str) -> None:
+    def delete_file(self, id: str) -> Optional[BatchRecord]:
+        """Delete file ``id``'s record unless an unfinished batch reads it: None when deleted (or gone already),
+        else such a batch. Atomic with :meth:`add_batch`: the two lock the file's row first (:func:`_lock_file`),
+        so a batch created as its file is deleted either finds it gone or keeps it."""
+        b = batches_table
         with self.engine.begin() as db:
+            if not _lock_file(db, id):
+                return None
+            reader = db.execute(b.select().where(b.c.input_file_id == id,
+                                                 b.c.status.notin_([s.value for s in lifecycle.FINAL]))).first()
+            if reader is not None:
+                return _batch_record(reader)
             db.execute(files_table.delete().where(files_table.c.id == id))
+        return None
 
     # ---- chunked uploads -----------------------------------------------------------------------------------------
     def add_upload(self, record: UploadRecord) -> None:
@@ -319,9 +330,13 @@ class Store:
         return bool(moved)
 
     # ---- batches -------------------------------------------------------------------------------------------------
-    def add_batch(self, record: BatchRecord) -> None:
+    def add_batch(self, record: BatchRecord) -> bool:
+        """Add ``record`` if its input file is still its owner's (False: the file was deleted meanwhile)."""
         with self.engine.begin() as db:
+            if not _lock_file(db, record.input_file_id, record.owner):
+                return False
             db.execute(batches_table.insert().values(**_batch_row(record)))
+        return True
 
     def batch(self, id: str, owner: Optional[str] = None) -> Optional[BatchRecord]:
         query = batches_table.select().where(batches_table.c.id == id)
@@ -350,10 +365,6 @@ class Store:
         query = t.select().where(t.c.owner == owner, t.c.status.notin_([s.value for s in lifecycle.FINAL]))
         with self.engine.connect() as db:
             return [_batch_record(r) for r in db.execute(query.order_by(t.c.seq))]
-
-    def batches_reading(self, file_id: str) -> list[BatchRecord]:
-        """Unfinished batches whose input is ``file_id``."""
-        return [b for b in self.unfinished() if b.input_file_id == file_id]
 
     def move(self, id: str, to: Status, now: Optional[int] = None, **changes: Any) -> Optional[BatchRecord]:
         """Move batch ``id`` to status ``to`` (setting its timestamp and ``changes``) if its status allows it:
@@ -465,6 +476,19 @@ def _columns(changes: dict[str, Any]) -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def _lock_file(db: Any, id: str, owner: Optional[str] = None) -> bool:
+    """Lock file ``id``'s row (of ``owner``, when given) until ``db``'s transaction ends; False when there is none.
+    A write that changes nothing, as the transaction's first statement: PostgreSQL then holds the row, and a
+    concurrent lock waits and sees the row as the other transaction left it (gone, or read by a batch); SQLite
+    takes its one write lock, so the whole transaction sees the latest state (SELECT ... FOR UPDATE is PostgreSQL's
+    alone)."""
+    t = files_table
+    query = t.update().where(t.c.id == id).values(bytes=t.c.bytes)
+    if owner is not None:
+        query = query.where(t.c.owner == owner)
+    return db.execute(query).rowcount > 0
 
 
 def _sqlite_pragmas(connection: Any, record: Any) -> None:
