@@ -264,3 +264,31 @@ def connect_run(tiny_model, tmp_path_factory) -> SharedRun:
     batch = BatchObject.model_validate_json(Path(paths.batch_file).read_text())
     logs = [line.split(": ", 1)[1] for line in proc.stderr.splitlines() if " spark_llm." in line and ": " in line]
     return SharedRun(BatchResult(batch, paths), expected, root, logs, marker)
+
+
+@pytest.fixture
+def receiver():
+    """A webhook receiver on 127.0.0.1: records each request (headers, body) and answers with the statuses queued
+    in ``answers`` (200 once they run out)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    got: list[tuple[dict, bytes]] = []
+    answers: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["content-length"]))
+            got.append((dict(self.headers.items()), body))
+            self.send_response(answers.pop(0) if answers else 200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield {"url": f"http://127.0.0.1:{server.server_address[1]}/hooks", "got": got, "answers": answers}
+    server.shutdown()
+    server.server_close()

@@ -74,7 +74,8 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "spark_llm.cli", "serve", "--config", str(self.config), "--master",
                  "local[2]", "--storage", str(self.storage), "--port", "0", "--api-keys", str(self.keys),
-                 "--completion-windows", "24h,4s", "--max-file-bytes", str(MAX_FILE_BYTES), *self.extra],
+                 "--completion-windows", "24h,4s", "--max-file-bytes", str(MAX_FILE_BYTES),
+                 "--webhook-hosts", "127.0.0.1", *self.extra],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root, start_new_session=True)
         self.groups.append(self.proc.pid)
         deadline = time.time() + 120
@@ -286,8 +287,9 @@ def test_the_sdk_flow_gives_the_files_spark_llm_run_writes(server, shared_run, t
     assert rows == batch.request_counts.completed
 
 
-def test_batches_list_pages_newest_first(server, tmp_path):
+def test_batches_list_pages_newest_first_and_each_end_goes_to_the_key_s_webhook(server, tmp_path, receiver):
     client = server.client(KEY_B)
+    hook = client.webhooks.create(name="ci", url=receiver["url"], event_types=["batch.completed"])
     source = upload(client, write_jsonl(tmp_path / "p.jsonl", [chat_line("p", max_tokens=1)]))
     made = [client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
             for _ in range(3)]
@@ -300,6 +302,11 @@ def test_batches_list_pages_newest_first(server, tmp_path):
     assert [f.id for f in client.files.list(order="asc", limit=1)] == [source.id]
     for batch in made:
         wait_for(client, batch.id)
+    # the server's sender posts each batch's end, signed with the endpoint's secret
+    eventually(lambda: len(receiver["got"]) >= len(made), "a webhook for each batch", seconds=60)
+    events = [client.webhooks.unwrap(body, head, secret=hook.signing_secret) for head, body in receiver["got"]]
+    assert sorted((e.type, e.data.id) for e in events) == sorted(("batch.completed", b.id) for b in made)
+    client.webhooks.delete(hook.id)
 
 
 def test_cancel_delivers_the_answers_and_lists_the_rest_as_batch_cancelled(server, tmp_path):

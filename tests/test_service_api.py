@@ -1,6 +1,6 @@
 """The batch service's API without Spark: a real uvicorn server on 127.0.0.1 in this process (its scheduler not
 started: nothing runs), driven by the real openai-python client. Chunked uploads (OpenAI's Uploads API), the
-health, readiness and audit records."""
+health, readiness and audit records, the front door's refusals, webhooks to a real receiver."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import eventually
 
 openai = pytest.importorskip("openai")
 
@@ -30,6 +32,7 @@ def api(tmp_path_factory):
     from spark_llm.service import audit
     from spark_llm.service.access import Service
     from spark_llm.service.api import create_app
+    from spark_llm.service.delivery import Sender
     from spark_llm.service.door import uvicorn_config
     from spark_llm.service.files import FileStorage
     from spark_llm.service.scheduler import Scheduler
@@ -39,12 +42,15 @@ def api(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
     keys = root / "keys.txt"
     keys.write_text(f"{KEY}\n{LIMITED} priority=low max_queued_batches=2 max_enqueued_tokens=1000\n")
-    settings = ServiceSettings(storage=str(root / "storage"), api_keys=str(keys), upload_idle_seconds=IDLE_SECONDS)
+    settings = ServiceSettings(storage=str(root / "storage"), api_keys=str(keys), upload_idle_seconds=IDLE_SECONDS,
+                               webhook_hosts="127.0.0.1", webhook_retry_seconds=0.5)
     files = FileStorage(settings.storage)
     handler = audit.write_to(settings.audit_path())
     store = Store(settings.database())
     scheduler = Scheduler(BatchConfig(model="/m"), settings, store, files, session=lambda: None)
     app = create_app(Service(settings=settings, store=store, files=files, scheduler=scheduler))
+    sender = Sender(store, settings)  # the webhooks go out; the scheduler is not started
+    sender.start()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -57,6 +63,7 @@ def api(tmp_path_factory):
            "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)}
     server.should_exit = True
     thread.join(10)
+    sender.stop()
     store.close()
     audit.logger.removeHandler(handler)
     handler.close()
@@ -530,3 +537,74 @@ def test_a_batch_created_as_its_file_is_deleted_is_a_404_not_a_batch_that_fails_
     with pytest.raises(openai.NotFoundError, match=f"No file found with id '{uploaded.id}'"):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert {b.id for b in client.batches.list(limit=100)} == before
+
+
+def test_a_batch_s_end_goes_to_its_key_s_webhook_signed_and_again_until_received(api, tmp_path, receiver):
+    """A key registers an endpoint with openai-python's client.webhooks; its batch fails (the runner's own failure
+    path); the receiver answers 503 to the first delivery and 200 to the second, and both carry the same event id
+    and a signature that client.webhooks.unwrap verifies with the secret the key was given."""
+    from spark_llm.config import ConfigError
+    from spark_llm.service.store import DeliveryState
+
+    client, store = api["client"], api["store"]
+    endpoint = client.webhooks.create(name="ci", url=receiver["url"], event_types=["batch.failed", "batch.completed"])
+    assert endpoint.signing_secret.startswith("whsec_") and endpoint.signing_secret_hint.endswith(
+        endpoint.signing_secret[-4:])
+    receiver["answers"].append(503)
+    uploaded = client.files.create(file=jsonl(tmp_path / "hooked.jsonl", 3).open("rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    api["scheduler"].runner.fail(store.batch(batch.id), ConfigError("no such model"))
+    eventually(lambda: store.deliveries(batch.id) == [DeliveryState(endpoint.id, "delivered", 2, 200)],
+               "the event delivered at its second attempt", seconds=30)
+    assert len(receiver["got"]) == 2
+    (first, body), (again, same) = receiver["got"]
+    assert first["webhook-id"] == again["webhook-id"] and body == same  # one event, sent twice
+    event = client.webhooks.unwrap(same, again, secret=endpoint.signing_secret)
+    assert (type(event).__name__, event.type, event.data.id) == ("BatchFailedWebhookEvent", "batch.failed", batch.id)
+    assert event.id == again["webhook-id"] and event.created_at == store.batch(batch.id).failed_at
+    with pytest.raises(openai.InvalidWebhookSignatureError):
+        client.webhooks.unwrap(same, again, secret="whsec_" + "A" * 44)
+    audited = [json.loads(x) for x in (api["root"] / "storage" / "audit.jsonl").read_text().splitlines()]
+    steps = [(a["action"], a.get("status")) for a in audited if a.get("event") == event.id]
+    assert steps == [("webhook.failed", 503), ("webhook.delivered", 200)]
+    assert endpoint.signing_secret not in (api["root"] / "storage" / "audit.jsonl").read_text()
+    client.webhooks.delete(endpoint.id)
+
+
+def test_webhook_endpoints_are_the_key_s_own_and_point_only_where_the_operator_allows(api, receiver):
+    client = api["client"]
+    other = openai.OpenAI(base_url=client.base_url, api_key=LIMITED, max_retries=0)
+    created = client.webhooks.create(name="mine", url=receiver["url"], event_types=["batch.completed"])
+    listed = client.webhooks.list()
+    assert [e.id for e in listed.data] == [created.id] and "signing_secret" not in listed.data[0].to_dict()
+    assert client.webhooks.retrieve(created.id).url == receiver["url"]
+    with pytest.raises(openai.NotFoundError):
+        other.webhooks.retrieve(created.id)
+    assert other.webhooks.list().data == []
+    assert client.webhooks.update(created.id, name="renamed").name == "renamed"
+    for url, why in [("https://example.com/hooks", "not one of them"), ("http://10.1.2.3/hooks", "must be https"),
+                     ("http://user:pw@127.0.0.1/hooks", "credentials"), ("ftp://127.0.0.1/x", "not an http")]:
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.webhooks.create(name="x", url=url, event_types=["batch.completed"])
+    with pytest.raises(openai.BadRequestError, match="'response.completed' is not sent by this server"):
+        client.webhooks.update(created.id, event_types=["response.completed"])
+    assert client.webhooks.event_types.list().data == ["batch.cancelled", "batch.completed", "batch.expired",
+                                                       "batch.failed"]
+    # a rotation that keeps the old secret: a test event verifies with either
+    rotated = client.webhooks.rotate_secret(created.id, keep_old_secret_active_for_24_hours=True)
+    assert rotated.signing_secret != created.signing_secret
+    result = client.webhooks.test(created.id, event_type="batch.completed")
+    assert (result.status_code, result.webhook_endpoint_id) == (200, created.id)
+    head, body = receiver["got"][-1]
+    for secret in (rotated.signing_secret, created.signing_secret):
+        assert client.webhooks.unwrap(body, head, secret=secret).type == "batch.completed"
+    client.webhooks.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.webhooks.retrieve(created.id)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/hooks"
+    unreachable = client.webhooks.create(name="dead", url=dead, event_types=["batch.completed"])
+    with pytest.raises(openai.BadRequestError, match="could not be reached"):
+        client.webhooks.test(unreachable.id, event_type="batch.completed")
+    client.webhooks.delete(unreachable.id)

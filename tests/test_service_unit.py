@@ -343,3 +343,55 @@ def test_the_runs_that_yield_to_an_urgent_batch():
             _run("yielded-not-committed-since", committed_since_yield=False), _run("paused", may_infer=paused),
             _run("low", "low")]
     assert [r.batch_id for r in to_pause(runs)] == ["plain", "low"]
+
+
+# ---- webhooks ---------------------------------------------------------------------------------------------------
+
+def test_a_webhook_retry_waits_twice_as_long_each_time_until_its_window_ends():
+    from spark_llm.service.delivery import MAX_RETRY_SECONDS, next_attempt_at
+
+    assert next_attempt_at(0, attempts=1, now=10, first_wait=5, retry_for=1000) == 15
+    assert next_attempt_at(0, attempts=3, now=10, first_wait=5, retry_for=1000) == 30
+    assert next_attempt_at(0, attempts=30, now=10, first_wait=5, retry_for=1e9) == 10 + MAX_RETRY_SECONDS
+    assert next_attempt_at(0, attempts=1, now=996, first_wait=5, retry_for=1000) is None  # given up
+
+
+def test_a_webhook_url_names_an_allowed_host_over_https_or_a_loopback_one():
+    from spark_llm.service.delivery import url_refused
+
+    allowed = "hooks.example.com, ci.example.com:8443, 127.0.0.1"
+    for url in ("https://hooks.example.com/x", "https://HOOKS.example.com:443/x", "https://ci.example.com:8443/x",
+                "http://127.0.0.1:9000/x"):
+        assert url_refused(url, allowed) is None, url
+    for url, why in [("https://ci.example.com/x", "not one of them"), ("https://hooks.example.com.evil.io/x",
+                     "not one of them"), ("http://hooks.example.com/x", "must be https"),
+                     ("https://u:p@hooks.example.com/x", "credentials"), ("file:///etc/passwd", "not an http"),
+                     ("https://hooks.example.com:99999/x", "not a URL"), ("https://localhost/x", "not one of them")]:
+        assert why in url_refused(url, allowed), url
+    assert "not one of them" in url_refused("https://hooks.example.com/x", None)  # none allowed by default
+
+
+def test_a_batch_s_end_is_an_event_in_the_same_transaction_and_a_delivery_to_each_endpoint_that_takes_it(store):
+    from spark_llm.service.store import DeliveryState, WebhookEndpointRecord
+
+    def endpoint(id: str, owner: str, *types: str) -> WebhookEndpointRecord:
+        return WebhookEndpointRecord(id=id, owner=owner, name=id, url="https://h/x", event_types=types,
+                                     secret="whsec_x", created_at=1, updated_at=1)
+    store.add_endpoint(endpoint("we_done", "o", "batch.completed"))
+    store.add_endpoint(endpoint("we_all", "o", "batch.completed", "batch.failed"))
+    store.add_endpoint(endpoint("we_other", "someone-else", "batch.failed"))
+    _add(store, _batch("b1"))
+    _add(store, _batch("b2"))
+    assert store.move("b1", Status.IN_PROGRESS) and store.deliveries("b1") == []  # not final: no event
+    assert store.move("b1", Status.FAILED, now=50)
+    assert store.deliveries("b1") == [DeliveryState("we_all", "pending", 0, None)]
+    assert store.move("b1", Status.FAILED) is None and len(store.deliveries("b1")) == 1  # one end, one event
+    for step in (Status.IN_PROGRESS, Status.FINALIZING, Status.COMPLETED):
+        store.move("b2", step, now=60)
+    assert [d.endpoint_id for d in store.deliveries("b2")] == ["we_done", "we_all"]
+    due = store.due_deliveries(now=55, limit=10)
+    assert [(d.batch_id, d.type, d.endpoint.id) for d in due] == [("b1", "batch.failed", "we_all")]
+    assert store.claim_delivery(due[0], until=100) and not store.claim_delivery(due[0], until=100)  # one server
+    assert store.due_deliveries(now=55, limit=10) == []  # held while it is sent
+    assert store.delete_endpoint("we_done", "o") and not store.delete_endpoint("we_other", "o")
+    assert [d.endpoint_id for d in store.deliveries("b2")] == ["we_all"]  # what it had pending went with it

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 from ..config import PRIORITIES
 from ..endpoints import ENDPOINTS
-from . import monitor, ui, uploads
+from . import monitor, ui, uploads, webhooks
 from .access import Service, key_owner, new_id, own_batch, own_file, owner, service_of
 from .door import FrontDoor
 from .audit import audit
@@ -35,6 +35,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(files_router, prefix="/v1")
     app.include_router(batches_router, prefix="/v1")
     app.include_router(uploads.router, prefix="/v1")
+    app.include_router(webhooks.router, prefix="/v1")
     app.include_router(monitor.router)
     app.include_router(ui.router)
     app.add_middleware(FrontDoor, keys=lambda: service.keys)  # inside the audit: its refusals are audited too

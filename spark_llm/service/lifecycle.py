@@ -44,6 +44,8 @@ TIMESTAMP: dict[Status, str] = {
 }
 
 FINAL = frozenset(s for s, after in TRANSITIONS.items() if not after)
+#: final status -> the webhook event it sends (OpenAI's ``batch.completed``, ``batch.failed``, ...).
+EVENT: dict[Status, str] = {s: f"batch.{s.value}" for s in sorted(FINAL)}
 #: Statuses a cancel is accepted in (a finalizing batch has every answer already).
 CANCELLABLE = frozenset({S.VALIDATING, S.IN_PROGRESS})
 

@@ -1,6 +1,7 @@
-"""OpenAI's Files and Batches shapes, as openai-python's types define them (``openai.types.FileObject``,
-``openai.types.Batch``, the cursor page), and its error body: one exception, :class:`APIError`, renders
-``{"error": {"message", "type", "param", "code"}}`` with the status the SDK maps to its exception classes."""
+"""OpenAI's Files, Batches, Uploads and webhook endpoints shapes, as openai-python's types define them
+(``openai.types.FileObject``, ``openai.types.Batch``, ``openai.types.webhooks.WebhookEndpoint``, the cursor
+page), and its error body: one exception, :class:`APIError`, renders ``{"error": {"message", "type", "param",
+"code"}}`` with the status the SDK maps to its exception classes."""
 
 from __future__ import annotations
 
@@ -156,6 +157,68 @@ class UploadComplete(BaseModel):
 
     part_ids: list[str]
     md5: Optional[str] = None
+
+
+class WebhookEndpoint(BaseModel):
+    """openai-python's ``WebhookEndpoint``: where a key's batch events go (``/v1/webhook_endpoints``)."""
+
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    created_at: int
+    updated_at: Optional[int] = None
+    name: str
+    url: str
+    event_types: list[str]
+    signing_secret_hint: Optional[str] = None
+
+
+class WebhookEndpointWithSecret(WebhookEndpoint):
+    """An endpoint as created or after its secret was rotated: the only time the secret is shown."""
+
+    signing_secret: str
+
+
+class WebhookEndpointCreate(BaseModel):
+    """``POST /v1/webhook_endpoints``' body (openai-python's ``WebhookCreateParams``)."""
+
+    name: str = Field(min_length=1, max_length=255)
+    url: str = Field(min_length=1, max_length=2048)
+    event_types: list[str] = Field(min_length=1)
+
+
+class WebhookEndpointUpdate(BaseModel):
+    """``POST /v1/webhook_endpoints/{id}``' body: what changes."""
+
+    name: Optional[str] = Field(None, min_length=1, max_length=255)
+    url: Optional[str] = Field(None, min_length=1, max_length=2048)
+    event_types: Optional[list[str]] = Field(None, min_length=1)
+
+
+class WebhookRotateSecret(BaseModel):
+    keep_old_secret_active_for_24_hours: bool = False
+
+
+class WebhookTest(BaseModel):
+    event_type: str
+
+
+class WebhookEndpointDeleted(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint.deleted"] = "webhook_endpoint.deleted"
+    deleted: bool = True
+
+
+class WebhookEndpointTestResult(BaseModel):
+    object: Literal["webhook_endpoint.test"] = "webhook_endpoint.test"
+    webhook_endpoint_id: str
+    event_type: str
+    status_code: int
+    success: Literal[True] = True
+
+
+class WebhookEventTypes(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[str]
 
 
 class Page(BaseModel, Generic[T]):

@@ -56,6 +56,7 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     from . import audit
     from .access import Service
     from .api import create_app
+    from .delivery import Sender
     from .door import uvicorn_config
     from .files import FileStorage
     from .scheduler import Scheduler
@@ -70,16 +71,19 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     store = Store(settings.database())
     scheduler = Scheduler(base, settings, store, files, session=lambda: _session(base, spark_conf or {}, master,
                                                                                    remote))
+    sender = Sender(store, settings)
     app = create_app(Service(settings=settings, store=store, files=files, scheduler=scheduler))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         scheduler.start()
+        sender.start()
         try:
             yield
         finally:
             log.info("stopping: running batches resume when the server starts again")
             scheduler.stop()
+            sender.stop()
             store.close()
 
     app.router.lifespan_context = lifespan

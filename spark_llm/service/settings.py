@@ -102,6 +102,16 @@ class ServiceSettings(BaseModel):
         200_000, ge=1, description="Estimated tokens a partition of the service's batches holds at most (the job's "
         "target_tokens_per_partition, capped): a partition keeps its task slot until it is done, so smaller ones let "
         "a high-priority batch in sooner.")
+    webhook_hosts: Optional[str] = Field(
+        None, description="Hosts a key's webhook endpoints may point to, comma-separated (a name or address, with "
+        "':port' to allow that port only); default none, so no endpoint can be registered. A URL must be https "
+        "unless its host is a loopback address. Redirects are not followed.")
+    webhook_retry_seconds: float = Field(
+        5.0, gt=0, description="Wait before a failed webhook delivery is tried again, doubled at each failure (at "
+        "most an hour); the same event id each time, so receivers drop repeats.")
+    webhook_retry_for_seconds: float = Field(
+        72 * 3600.0, gt=0, description="How long a webhook delivery is tried before it is given up (audited as "
+        "webhook.given_up); OpenAI retries for 72 hours.")
     max_runs: int = Field(2, ge=1, description="Runs of a batch before a failing one is given up as failed (each "
                           "later run resumes the one before; bad settings and an engine that cannot start fail at "
                           "once).")

@@ -1,15 +1,18 @@
-"""Where the service keeps its state: file and batch records in a SQL database through SQLAlchemy (a SQLite file
-under the storage root by default, PostgreSQL for a shared one), so that a server started again finds its queue
-and the batches it was running. Records cross modules as :class:`FileRecord` and :class:`BatchRecord`; a batch's
-status only moves through :meth:`Store.move`, a compare-and-set on the status the lifecycle allows."""
+"""Where the service keeps its state: file, upload, batch and webhook records in a SQL database through SQLAlchemy
+(a SQLite file under the storage root by default, PostgreSQL for a shared one), so that a server started again
+finds its queue, the batches it was running and the webhooks it had still to send. Records cross modules as
+dataclasses (:class:`FileRecord`, :class:`BatchRecord`, ...); a batch's status only moves through
+:meth:`Store.move`, a compare-and-set on the status the lifecycle allows, which adds the webhook event of a final
+status in the same transaction."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import sqlalchemy as sa
 
@@ -86,6 +89,45 @@ upload_parts_table = sa.Table(
     sa.Column("bytes", sa.BigInteger, nullable=False),
     sa.Column("created_at", sa.BigInteger, nullable=False),
     sa.Column("location", sa.Text, nullable=False),
+)
+
+webhook_endpoints_table = sa.Table(
+    "webhook_endpoints", metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), unique=True, nullable=False),
+    sa.Column("owner", sa.String(64), nullable=False, index=True),
+    sa.Column("name", sa.String(255), nullable=False),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("event_types", sa.Text, nullable=False),  # space-separated
+    sa.Column("secret", sa.String(128), nullable=False),  # signs the deliveries (an HMAC needs it as it is)
+    sa.Column("old_secret", sa.String(128)),  # a rotated secret that still signs until old_secret_until
+    sa.Column("old_secret_until", sa.BigInteger),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("updated_at", sa.BigInteger, nullable=False),
+)
+
+#: The outbox: an event is added in the transaction that makes its batch final, so none is lost to a crash.
+webhook_events_table = sa.Table(
+    "webhook_events", metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), unique=True, nullable=False),
+    sa.Column("owner", sa.String(64), nullable=False),
+    sa.Column("type", sa.String(64), nullable=False),
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+)
+
+#: One event to one endpoint, until delivered or given up.
+webhook_deliveries_table = sa.Table(
+    "webhook_deliveries", metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("event_id", sa.String(64), nullable=False),
+    sa.Column("endpoint_id", sa.String(64), nullable=False, index=True),
+    sa.Column("state", sa.String(16), nullable=False, index=True),  # pending, delivered, given_up
+    sa.Column("attempts", sa.Integer, nullable=False, default=0),
+    sa.Column("next_at", sa.Float, nullable=False),  # when it is due (while one server sends it: its hold)
+    sa.Column("last_status", sa.Integer),  # the receiver's last HTTP status
+    sa.Column("last_error", sa.Text),
 )
 
 #: Columns added since the first release, added to an older database when a server opens it.
@@ -166,6 +208,42 @@ class BatchRecord:
         return self.expires_at is not None and (now or time.time()) >= self.expires_at
 
 
+@dataclass(frozen=True)
+class WebhookEndpointRecord:
+    id: str
+    owner: str
+    name: str
+    url: str
+    event_types: tuple[str, ...]
+    secret: str
+    created_at: int
+    updated_at: int
+    old_secret: Optional[str] = None
+    old_secret_until: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A delivery due: the event, the endpoint it goes to, how many times it was tried."""
+
+    seq: int
+    attempts: int
+    event_id: str
+    type: str
+    batch_id: str
+    event_created_at: int
+    endpoint: WebhookEndpointRecord
+
+
+class DeliveryState(NamedTuple):
+    """Where one delivery stands."""
+
+    endpoint_id: str
+    state: str  #: pending, delivered, given_up
+    attempts: int
+    last_status: Optional[int]  #: the receiver's answer to the last attempt
+
+
 @dataclass
 class Stats:
     """What :meth:`Store.stats` counts."""
@@ -200,6 +278,15 @@ def _batch_record(row: Any) -> BatchRecord:
         text = values.pop(column)
         values[name] = None if text is None else json.loads(text)
     return BatchRecord(**values)
+
+
+def _endpoint_row(record: WebhookEndpointRecord) -> dict[str, Any]:
+    return {**dataclasses.asdict(record), "event_types": " ".join(record.event_types)}
+
+
+def _endpoint_record(row: Any) -> WebhookEndpointRecord:
+    values = {name: row._mapping[name] for name in WebhookEndpointRecord.__dataclass_fields__}
+    return WebhookEndpointRecord(**{**values, "event_types": tuple(values["event_types"].split())})
 
 
 def _file_record(row: Any) -> FileRecord:
@@ -374,6 +461,8 @@ class Store:
         t = batches_table
         with self.engine.begin() as db:
             done = db.execute(t.update().where(t.c.id == id, t.c.status.in_(allowed)).values(**values)).rowcount
+            if done and to in lifecycle.EVENT:
+                _add_event(db, id, lifecycle.EVENT[to], values[lifecycle.TIMESTAMP[to]])
         if not done:
             return None
         batch = self.batch(id)
@@ -394,6 +483,72 @@ class Store:
         with self.engine.begin() as db:
             db.execute(t.update().where(t.c.id == id).values(completed=t.c.completed + completed,
                                                                failed=t.c.failed + failed))
+
+    # ---- webhooks ------------------------------------------------------------------------------------------------
+    def add_endpoint(self, record: WebhookEndpointRecord) -> None:
+        with self.engine.begin() as db:
+            db.execute(webhook_endpoints_table.insert().values(**_endpoint_row(record)))
+
+    def endpoint(self, id: str, owner: str) -> Optional[WebhookEndpointRecord]:
+        t = webhook_endpoints_table
+        with self.engine.connect() as db:
+            row = db.execute(t.select().where(t.c.id == id, t.c.owner == owner)).first()
+        return _endpoint_record(row) if row else None
+
+    def endpoints(self, owner: str, limit: int, after: Optional[str]) -> tuple[list[WebhookEndpointRecord], bool]:
+        """A page of ``owner``'s webhook endpoints, newest first, and whether more follow."""
+        t = webhook_endpoints_table
+        return self._page(t, t.select().where(t.c.owner == owner), limit, after, True, _endpoint_record)
+
+    def update_endpoint(self, record: WebhookEndpointRecord) -> None:
+        t = webhook_endpoints_table
+        with self.engine.begin() as db:
+            db.execute(t.update().where(t.c.id == record.id).values(**_endpoint_row(record)))
+
+    def delete_endpoint(self, id: str, owner: str) -> bool:
+        """Delete ``owner``'s endpoint ``id`` and what it had still to be sent; False when there is none."""
+        t, d = webhook_endpoints_table, webhook_deliveries_table
+        with self.engine.begin() as db:
+            if not db.execute(t.delete().where(t.c.id == id, t.c.owner == owner)).rowcount:
+                return False
+            db.execute(d.delete().where(d.c.endpoint_id == id, d.c.state == "pending"))
+        return True
+
+    def due_deliveries(self, now: float, limit: int) -> list[Delivery]:
+        """Pending deliveries due at ``now``, the longest waiting first."""
+        d, e, w = webhook_deliveries_table, webhook_events_table, webhook_endpoints_table
+        query = (sa.select(d.c.seq, d.c.attempts, e.c.id.label("event_id"), e.c.type, e.c.batch_id,
+                           e.c.created_at.label("event_created_at"), *w.c)
+                 .join(e, e.c.id == d.c.event_id).join(w, w.c.id == d.c.endpoint_id)
+                 .where(d.c.state == "pending", d.c.next_at <= now).order_by(d.c.next_at).limit(limit))
+        with self.engine.connect() as db:
+            return [Delivery(r.seq, r.attempts, r.event_id, r.type, r.batch_id, r.event_created_at,
+                             _endpoint_record(r)) for r in db.execute(query)]
+
+    def claim_delivery(self, delivery: Delivery, until: float) -> bool:
+        """Take ``delivery`` for one attempt, due again at ``until`` should this server die sending it: False
+        when another server took it first (a compare-and-set on its attempts)."""
+        d = webhook_deliveries_table
+        with self.engine.begin() as db:
+            return db.execute(d.update().where(d.c.seq == delivery.seq, d.c.state == "pending",
+                                               d.c.attempts == delivery.attempts)
+                              .values(attempts=delivery.attempts + 1, next_at=until)).rowcount > 0
+
+    def delivery_tried(self, delivery: Delivery, state: str, next_at: float, status: Optional[int],
+                       error: Optional[str]) -> None:
+        """Record an attempt's outcome: ``state`` delivered, given_up, or pending again at ``next_at``."""
+        d = webhook_deliveries_table
+        with self.engine.begin() as db:
+            db.execute(d.update().where(d.c.seq == delivery.seq).values(
+                state=state, next_at=next_at, last_status=status, last_error=error))
+
+    def deliveries(self, batch_id: str) -> list[DeliveryState]:
+        """Where the deliveries of ``batch_id``'s events stand."""
+        d, e = webhook_deliveries_table, webhook_events_table
+        query = (sa.select(d.c.endpoint_id, d.c.state, d.c.attempts, d.c.last_status).join(e, e.c.id == d.c.event_id)
+                 .where(e.c.batch_id == batch_id).order_by(d.c.seq))
+        with self.engine.connect() as db:
+            return [DeliveryState(*r) for r in db.execute(query)]
 
     # ---- what the metrics read ---------------------------------------------------------------------------------
     def stats(self) -> "Stats":
@@ -476,6 +631,20 @@ def _columns(changes: dict[str, Any]) -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def _add_event(db: Any, batch_id: str, type: str, at: int) -> None:
+    """Batch ``batch_id``'s event ``type`` in ``db``'s transaction, and a delivery of it due now to each of its
+    owner's endpoints that takes the type."""
+    b, w = batches_table, webhook_endpoints_table
+    owner = db.execute(sa.select(b.c.owner).where(b.c.id == batch_id)).scalar_one()
+    event_id = "evt_" + uuid.uuid4().hex[:24]
+    db.execute(webhook_events_table.insert().values(id=event_id, owner=owner, type=type, batch_id=batch_id,
+                                                    created_at=at))
+    for endpoint in db.execute(w.select().where(w.c.owner == owner)):
+        if type in endpoint.event_types.split():
+            db.execute(webhook_deliveries_table.insert().values(event_id=event_id, endpoint_id=endpoint.id,
+                                                                state="pending", attempts=0, next_at=at))
 
 
 def _lock_file(db: Any, id: str, owner: Optional[str] = None) -> bool:
