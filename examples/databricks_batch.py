@@ -10,7 +10,9 @@
 
 # COMMAND ----------
 
-# MAGIC %pip install /Volumes/main/default/wheels/spark_llm-0.1.0-py3-none-any.whl "vllm>=0.17"
+# MAGIC %pip install "spark-llm-batch[vllm]"
+# MAGIC # or a wheel built with `python -m build`, put in a Volume:
+# MAGIC # %pip install /Volumes/main/default/wheels/spark_llm_batch-0.1.0-py3-none-any.whl "vllm>=0.17,<0.33"
 
 # COMMAND ----------
 

