@@ -85,22 +85,24 @@ class BatchErrors(BaseModel):
     total: int = 0  # spark_llm's own: how many there are in all (data is bounded)
 
 
-class BatchObject(BaseModel):
-    """OpenAI's batch object (parses with openai-python's ``openai.types.Batch``), plus spark_llm's
-    ``partition_plan``. Made by :meth:`completed` or :meth:`failed`."""
+class Batch(BaseModel):
+    """OpenAI's batch object, as openai-python's ``openai.types.Batch`` defines it: the one definition of a batch,
+    from which the job's ``batch.json`` (:class:`BatchObject`), the batch service's API object and its stored
+    record and table (:class:`spark_llm.service.store.BatchRecord`) follow."""
 
     model_config = ConfigDict(extra="forbid")
 
     id: str
     object: Literal["batch"] = "batch"
     endpoint: str
-    model: str
-    errors: BatchErrors
+    model: Optional[str] = None
+    errors: Optional[BatchErrors] = None
     input_file_id: str
     completion_window: str = "24h"
-    status: Literal["completed", "failed", "cancelled", "expired"]
-    output_file_id: str
-    error_file_id: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                    "cancelled"]
+    output_file_id: Optional[str] = None
+    error_file_id: Optional[str] = None
     created_at: int
     in_progress_at: Optional[int] = None
     expires_at: Optional[int] = None
@@ -111,6 +113,19 @@ class BatchObject(BaseModel):
     cancelling_at: Optional[int] = None
     cancelled_at: Optional[int] = None
     request_counts: RequestCounts
+    usage: Optional[Usage] = None
+    metadata: Optional[dict[str, str]] = None
+
+
+class BatchObject(Batch):
+    """The job's ``batch.json``: a :class:`Batch` that has ended, with every field a finished run knows filled in,
+    plus spark_llm's ``partition_plan``. Made by :meth:`completed` or :meth:`failed`."""
+
+    model: str
+    errors: BatchErrors
+    status: Literal["completed", "failed", "cancelled", "expired"]
+    output_file_id: str
+    error_file_id: str
     usage: Usage
     metadata: dict[str, str]  # OpenAI's metadata is a map of strings: the table and report locations
     partition_plan: Optional[dict[str, Any]] = None  # spark_llm's own: how requests were spread over partitions

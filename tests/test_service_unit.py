@@ -3,8 +3,6 @@ settings' checks, the upload checks, and the shapes against openai-python's own 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from conftest import eventually
@@ -12,7 +10,8 @@ from conftest import eventually
 from spark_llm.config import ConfigError
 from spark_llm.service.files import TextCheck, check_filename
 from spark_llm.service.lifecycle import CANCELLABLE, FINAL, TIMESTAMP, TRANSITIONS, Status, sources
-from spark_llm.service.protocol import APIError, Batch, BatchCreate, FileObject
+from spark_llm.batch import Batch, BatchErrors
+from spark_llm.service.protocol import APIError, BatchCreate, FileObject
 from spark_llm.service.settings import ServiceSettings
 from spark_llm.service.store import BatchRecord, FileRecord, Store
 
@@ -49,12 +48,13 @@ def test_a_status_moves_only_where_the_lifecycle_allows_and_stamps_its_time(stor
     _add(store, _batch("b1"))
     assert store.move("b1", Status.COMPLETED) is None  # validating -> completed skips in_progress, finalizing
     moved = store.move("b1", Status.IN_PROGRESS, now=100, total=3)
-    assert (moved.status, moved.in_progress_at, moved.total) == (Status.IN_PROGRESS, 100, 3)
+    assert (moved.status, moved.in_progress_at, moved.request_counts.total) == (Status.IN_PROGRESS, 100, 3)
     assert store.move("b1", Status.CANCELLING, now=101).cancelling_at == 101
     assert store.move("b1", Status.FINALIZING) is None  # a cancel won the race
     store.add_counts("b1", completed=2, failed=1)
     done = store.move("b1", Status.CANCELLED, errors={"object": "list", "data": []})
-    assert (done.completed, done.failed, done.errors) == (2, 1, {"object": "list", "data": []})
+    counts = done.request_counts
+    assert (counts.completed, counts.failed, done.errors) == (2, 1, BatchErrors(data=[]))
     assert [b.id for b in store.unfinished()] == []
 
 
@@ -179,7 +179,7 @@ def test_a_batch_created_as_its_file_is_deleted_either_keeps_the_file_or_is_refu
     def create() -> None:
         start.wait()
         for batch in batches:
-            created[batch.id] = shared_store.add_batch(replace(batch, id=batch.id + "-again"))
+            created[batch.id] = shared_store.add_batch(batch.model_copy(update=dict(id=batch.id + "-again")))
 
     def delete() -> None:
         start.wait()
@@ -239,17 +239,47 @@ def test_a_postgresql_whose_port_was_taken_before_it_started_starts_on_another(m
             server.stop()
 
 
-def test_an_older_database_gets_the_lease_columns(tmp_path):
+def test_an_older_database_is_upgraded_in_place_to_the_schema_a_new_one_gets(tmp_path):
+    """A database as the first release made it (today's tables less what the migrations add since, no record of
+    migrations, no webhook tables) with a batch in it: opened, it gets every migration once, in order, and then has
+    the very schema of a new database; its batch reads as before, with the new fields' defaults."""
     import sqlalchemy as sa
 
+    from spark_llm.service import migrations
+    from spark_llm.service.store import metadata
+
+    added = {"lease_holder", "lease_until", "priority"}  # what MIGRATIONS add to batches
+    old_tables = sa.MetaData()
+    for name in ("files", "batches", "uploads", "upload_parts"):
+        table = metadata.tables[name]
+        sa.Table(name, old_tables, *[sa.Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
+                                     for c in table.columns if c.name not in added])
     url = f"sqlite:///{tmp_path / 'old.db'}"
     old = sa.create_engine(url)
     with old.begin() as db:
-        db.execute(sa.text("CREATE TABLE batches (seq INTEGER PRIMARY KEY, id VARCHAR(64))"))
+        old_tables.create_all(db)
+        db.execute(old_tables.tables["batches"].insert().values(
+            id="batch_old", owner="o", status="completed", endpoint="/v1/chat/completions", input_file_id="f",
+            completion_window="24h", created_at=1, total=2, completed=2, failed=0, runs=1))
     old.dispose()
-    store = Store(url)
-    assert {"lease_holder", "lease_until"} <= {c["name"] for c in sa.inspect(store.engine).get_columns("batches")}
+
+    def schema(engine: sa.Engine) -> dict[str, set[str]]:
+        inspector = sa.inspect(engine)
+        return {t: {c["name"] for c in inspector.get_columns(t)} for t in inspector.get_table_names()}
+    with sa.create_engine(url).begin() as db:
+        assert migrations.upgrade(db, metadata) == [m.name for m in migrations.MIGRATIONS]  # each, in order
+    store = Store(url)  # opened again: nothing left to apply
+    with store.engine.begin() as db:
+        assert migrations.upgrade(db, metadata) == []
+    fresh = Store(f"sqlite:///{tmp_path / 'new.db'}")
+    assert schema(store.engine) == schema(fresh.engine)
+    with fresh.engine.connect() as db:  # a new database has them all recorded, none applied
+        assert {r.name for r in db.execute(sa.text("SELECT name FROM schema_migrations"))} == \
+            {m.name for m in migrations.MIGRATIONS}
+    batch = store.batch("batch_old")
+    assert (batch.status, batch.request_counts.completed, batch.runs, batch.priority) == (Status.COMPLETED, 2, 1, None)
     store.close()
+    fresh.close()
 
 
 def test_a_key_s_line_gives_its_priority_and_limits(tmp_path):
@@ -289,7 +319,7 @@ def test_the_queue_goes_by_priority_then_in_rounds_over_the_keys():
     from spark_llm.service.queue import queue_order
 
     def queued(id: str, owner: str, priority: str = "normal", status: Status = Status.VALIDATING) -> BatchRecord:
-        return replace(_batch(id, owner, status), priority=priority)
+        return _batch(id, owner, status).model_copy(update=dict(priority=priority))
 
     # oldest first as the store lists them: key a queued four batches before b and c queued one each
     batches = [queued("a1", "a"), queued("a2", "a"), queued("a3", "a"), queued("b1", "b"), queued("a4", "a"),
@@ -322,11 +352,11 @@ def test_a_key_s_weight_comes_from_its_line():
 def test_a_batch_ends_early_when_cancelled_or_out_of_time_and_a_key_s_tokens_are_bounded():
     from spark_llm.service.queue import ends_early, over_token_limit
 
-    batch = replace(_batch("b", "a", Status.IN_PROGRESS), expires_at=100)
+    batch = _batch("b", "a", Status.IN_PROGRESS).model_copy(update=dict(expires_at=100))
     assert ends_early(batch, 50) is None
-    assert ends_early(replace(batch, status=Status.CANCELLING), batch.created_at) is Status.CANCELLED
+    assert ends_early(batch.model_copy(update=dict(status=Status.CANCELLING)), batch.created_at) is Status.CANCELLED
     assert ends_early(batch, batch.expires_at + 1) is Status.EXPIRED
-    assert ends_early(replace(batch, status=Status.FINALIZING), batch.expires_at + 1) is None  # it is answered
+    assert ends_early(batch.model_copy(update=dict(status=Status.FINALIZING)), batch.expires_at + 1) is None  # it is answered
     assert over_token_limit({"b": 600, "c": 500}, "b", None) is None
     assert over_token_limit({"b": 600, "c": 400}, "b", 1000) is None
     message = over_token_limit({"b": 600, "c": 500}, "b", 1000)

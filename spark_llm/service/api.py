@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..batch import Batch
 from ..config import PRIORITIES
 from ..endpoints import ENDPOINTS
 from . import monitor, ui, uploads, webhooks
@@ -22,7 +23,7 @@ from .door import FrontDoor
 from .audit import audit
 from .files import ImageCheck, TextCheck, check_filename, paced, receive_upload
 from .lifecycle import CANCELLABLE, Status
-from .protocol import APIError, Batch, BatchCreate, ExpiresAfter, FileDeleted, FileObject, Page
+from .protocol import APIError, BatchCreate, ExpiresAfter, FileDeleted, FileObject, Page
 from .settings import NO_KEY_OWNER
 from .store import BatchRecord, FileRecord
 
@@ -167,21 +168,6 @@ def delete_file(request: Request, file_id: str, who: str = Depends(owner)) -> Fi
 batches_router = APIRouter()
 
 
-def batch_object(b: BatchRecord) -> Batch:
-    usage = None
-    if b.input_tokens is not None:
-        usage = {"input_tokens": b.input_tokens, "output_tokens": b.output_tokens or 0,
-                 "total_tokens": b.input_tokens + (b.output_tokens or 0)}
-    return Batch(id=b.id, endpoint=b.endpoint, model=b.model, errors=b.errors, input_file_id=b.input_file_id,
-                 completion_window=b.completion_window, status=b.status.value, output_file_id=b.output_file_id,
-                 error_file_id=b.error_file_id, created_at=b.created_at, in_progress_at=b.in_progress_at,
-                 expires_at=b.expires_at, finalizing_at=b.finalizing_at, completed_at=b.completed_at,
-                 failed_at=b.failed_at, expired_at=b.expired_at, cancelling_at=b.cancelling_at,
-                 cancelled_at=b.cancelled_at,
-                 request_counts={"total": b.total, "completed": b.completed, "failed": b.failed},
-                 usage=usage, metadata=b.metadata)  # type: ignore[arg-type]
-
-
 @batches_router.post("/batches")
 def create_batch(request: Request, body: BatchCreate, who: str = Depends(owner)) -> Batch:
     service = service_of(request)
@@ -218,19 +204,19 @@ def create_batch(request: Request, body: BatchCreate, who: str = Depends(owner))
     audit("batch.created", owner=who, batch=record.id, file=source.id, endpoint=body.endpoint, priority=priority)
     service.scheduler.wake()
     log.info("batch %s: created over %s (%s)", record.id, source.id, body.endpoint)
-    return batch_object(record)
+    return record.api_object()
 
 
 @batches_router.get("/batches/{batch_id}")
 def retrieve_batch(request: Request, batch_id: str, who: str = Depends(owner)) -> Batch:
-    return batch_object(own_batch(request, batch_id, who))
+    return own_batch(request, batch_id, who).api_object()
 
 
 @batches_router.get("/batches")
 def list_batches(request: Request, who: str = Depends(owner), limit: int = Query(20, ge=1, le=100),
                  after: Optional[str] = None) -> Page[Batch]:
     records, more = service_of(request).store.batches(who, limit, after)
-    return Page.of([batch_object(r) for r in records], more)
+    return Page.of([r.api_object() for r in records], more)
 
 
 @batches_router.post("/batches/{batch_id}/cancel")
@@ -238,13 +224,13 @@ def cancel_batch(request: Request, batch_id: str, who: str = Depends(owner)) -> 
     service = service_of(request)
     batch = own_batch(request, batch_id, who)
     if batch.status is Status.CANCELLING:
-        return batch_object(batch)
+        return batch.api_object()
     moved = service.store.move(batch_id, Status.CANCELLING) if batch.status in CANCELLABLE else None
     if moved is None:
         now = service.store.batch(batch_id) or batch
         raise APIError.invalid(f"Cannot cancel a batch that is {now.status.value}.", param="batch_id")
     service.scheduler.wake()
     log.info("batch %s: cancel requested", batch_id)
-    return batch_object(moved)
+    return moved.api_object()
 
 

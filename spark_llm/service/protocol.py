@@ -1,6 +1,6 @@
 """OpenAI's Files, Batches, Uploads and webhook endpoints shapes, as openai-python's types define them
-(``openai.types.FileObject``, ``openai.types.Batch``, ``openai.types.webhooks.WebhookEndpoint``, the cursor
-page), and its error body: one exception, :class:`APIError`, renders ``{"error": {"message", "type", "param",
+(``openai.types.FileObject``, ``openai.types.webhooks.WebhookEndpoint``, the cursor page; the batch object is the
+job's own, :class:`spark_llm.batch.Batch`), and its error body: one exception, :class:`APIError`, renders ``{"error": {"message", "type", "param",
 "code"}}`` with the status the SDK maps to its exception classes."""
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 from typing import Any, Generic, Literal, Optional, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
-
-from ..batch import BatchErrors, RequestCounts, Usage
 
 T = TypeVar("T")
 
@@ -68,32 +66,6 @@ class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"
     deleted: bool = True
-
-
-class Batch(BaseModel):
-    id: str
-    object: Literal["batch"] = "batch"
-    endpoint: str
-    model: Optional[str] = None
-    errors: Optional[BatchErrors] = None
-    input_file_id: str
-    completion_window: str
-    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
-                    "cancelled"]
-    output_file_id: Optional[str] = None
-    error_file_id: Optional[str] = None
-    created_at: int
-    in_progress_at: Optional[int] = None
-    expires_at: Optional[int] = None
-    finalizing_at: Optional[int] = None
-    completed_at: Optional[int] = None
-    failed_at: Optional[int] = None
-    expired_at: Optional[int] = None
-    cancelling_at: Optional[int] = None
-    cancelled_at: Optional[int] = None
-    request_counts: RequestCounts
-    usage: Optional[Usage] = None
-    metadata: Optional[dict[str, str]] = None
 
 
 class BatchCreate(BaseModel):

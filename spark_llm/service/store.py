@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
+import typing
 import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict
 
+from ..batch import Batch, RequestCounts, Usage
 from ..host import private_file
 from . import lifecycle
 from .audit import audit
 from .lifecycle import Status
+from .migrations import schema_table, upgrade
+
+log = logging.getLogger(__name__)
 
 metadata = sa.MetaData()
+schema_table(metadata)
 
 files_table = sa.Table(
     "files", metadata,
@@ -36,35 +44,6 @@ files_table = sa.Table(
     sa.Column("location", sa.Text, nullable=False),  # where the bytes are, under the storage root
 )
 
-batches_table = sa.Table(
-    "batches", metadata,
-    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),  # the queue's and the listing's order
-    sa.Column("id", sa.String(64), unique=True, nullable=False),
-    sa.Column("owner", sa.String(64), nullable=False, index=True),
-    sa.Column("status", sa.String(16), nullable=False, index=True),
-    sa.Column("endpoint", sa.String(64), nullable=False),
-    sa.Column("input_file_id", sa.String(64), nullable=False),
-    sa.Column("completion_window", sa.String(16), nullable=False),
-    sa.Column("created_at", sa.BigInteger, nullable=False),
-    sa.Column("expires_at", sa.BigInteger),
-    *(sa.Column(name, sa.BigInteger) for name in lifecycle.TIMESTAMP.values()),
-    sa.Column("output_file_id", sa.String(64)),
-    sa.Column("error_file_id", sa.String(64)),
-    sa.Column("model", sa.Text),
-    sa.Column("total", sa.Integer, nullable=False, default=0),
-    sa.Column("completed", sa.Integer, nullable=False, default=0),
-    sa.Column("failed", sa.Integer, nullable=False, default=0),
-    sa.Column("input_tokens", sa.BigInteger),
-    sa.Column("output_tokens", sa.BigInteger),
-    sa.Column("errors_json", sa.Text),
-    sa.Column("metadata_json", sa.Text),
-    sa.Column("output_expires_after", sa.Integer),
-    sa.Column("runs", sa.Integer, nullable=False, default=0),  # runs started: the next one resumes
-    # the server running the batch and until when its hold lasts without renewal (see Store.claim)
-    sa.Column("lease_holder", sa.String(128)),
-    sa.Column("lease_until", sa.Float),
-    sa.Column("priority", sa.String(8)),  # high, normal, low (config.PRIORITIES)
-)
 uploads_table = sa.Table(
     "uploads", metadata,
     sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
@@ -130,9 +109,6 @@ webhook_deliveries_table = sa.Table(
     sa.Column("last_error", sa.Text),
 )
 
-#: Columns added since the first release, added to an older database when a server opens it.
-_ADDED = {"batches": ("lease_holder", "lease_until", "priority")}
-
 
 @dataclass(frozen=True)
 class FileRecord:
@@ -170,42 +146,64 @@ class PartRecord:
     location: str
 
 
-@dataclass(frozen=True)
-class BatchRecord:
-    id: str
-    owner: str
-    status: Status
-    endpoint: str
-    input_file_id: str
-    completion_window: str
-    created_at: int
-    expires_at: Optional[int] = None
-    in_progress_at: Optional[int] = None
-    finalizing_at: Optional[int] = None
-    completed_at: Optional[int] = None
-    failed_at: Optional[int] = None
-    cancelling_at: Optional[int] = None
-    cancelled_at: Optional[int] = None
-    expired_at: Optional[int] = None
-    output_file_id: Optional[str] = None
-    error_file_id: Optional[str] = None
-    model: Optional[str] = None
-    total: int = 0
-    completed: int = 0
-    failed: int = 0
-    input_tokens: Optional[int] = None
-    output_tokens: Optional[int] = None
-    errors: Optional[dict] = None
-    metadata: Optional[dict[str, str]] = None
-    output_expires_after: Optional[int] = None
-    runs: int = 0
+class BatchRecord(Batch):
+    """A batch as the service keeps it: OpenAI's :class:`~spark_llm.batch.Batch` (its API object is this record's
+    Batch fields) and the service's own fields; its table, :data:`batches_table`, follows from its fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    status: Status  #: the lifecycle's enum (its values are Batch.status's)
+    request_counts: RequestCounts = RequestCounts(total=0, completed=0, failed=0)
+    owner: str  #: the key's owner id
+    output_expires_after: Optional[int] = None  #: seconds after completion its output files are deleted
+    runs: int = 0  #: runs started: the next one resumes
+    # the server running the batch and until when its hold lasts without renewal (see Store.claim)
     lease_holder: Optional[str] = None
     lease_until: Optional[float] = None
-    priority: Optional[str] = None
+    priority: Optional[str] = None  #: high, normal, low (config.PRIORITIES)
+
+    def api_object(self) -> Batch:
+        """What the API answers for it: its Batch fields."""
+        return Batch.model_validate(self.model_dump(mode="json", include=set(Batch.model_fields)))
 
     def expired(self, now: Optional[float] = None) -> bool:
         """Its completion window has run out."""
         return self.expires_at is not None and (now or time.time()) >= self.expires_at
+
+
+#: How a batch's field is stored when it is not one column of its own name: the request counts as columns named as
+#: their own fields (a commit adds to them in SQL), the usage as its two token counts (the rest follows from them),
+#: the error list and the metadata as JSON text.
+_FLATTENED = {"request_counts": tuple(RequestCounts.model_fields), "usage": ("input_tokens", "output_tokens")}
+_JSON_FIELDS = {"errors": "errors_json", "metadata": "metadata_json"}
+#: Columns looked up by, beside the id.
+_INDEXED = ("owner", "status")
+
+
+def _columns_of(record: type[BaseModel]) -> list[sa.Column]:
+    """The columns of a table of ``record``s: ``seq`` first (the order of the queue and the listings), then one
+    per field (:data:`_FLATTENED`, :data:`_JSON_FIELDS` aside): a field without a default is NOT NULL, one whose
+    default is not None is NOT NULL with that default."""
+    columns = [sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True)]
+    for name, field in record.model_fields.items():
+        if name == "object":  # a constant
+            continue
+        if name in _FLATTENED:
+            counts = name == "request_counts"
+            columns += [sa.Column(part, sa.BigInteger, nullable=not counts, default=0 if counts else None)
+                        for part in _FLATTENED[name]]
+        elif name in _JSON_FIELDS:
+            columns.append(sa.Column(_JSON_FIELDS[name], sa.Text))
+        else:
+            kinds = [t for t in typing.get_args(field.annotation) if t is not type(None)] or [field.annotation]
+            kind = {int: sa.BigInteger, float: sa.Float}.get(kinds[0], sa.Text)
+            default = None if field.is_required() else field.default
+            columns.append(sa.Column(name, kind, nullable=default is None and not field.is_required(),
+                                     default=default, unique=name == "id", index=name in _INDEXED))
+    return columns
+
+
+batches_table = sa.Table("batches", metadata, *_columns_of(BatchRecord))
 
 
 @dataclass(frozen=True)
@@ -258,26 +256,30 @@ class Stats:
     leases: dict[str, int] = dataclasses.field(default_factory=dict)  #: batches held by each server
 
 
-_JSON_FIELDS = {"errors": "errors_json", "metadata": "metadata_json"}
-
-
 def _batch_row(batch: BatchRecord) -> dict[str, Any]:
-    row = dataclasses.asdict(batch)
-    row["status"] = batch.status.value
-    for name, column in _JSON_FIELDS.items():
-        value = row.pop(name)
-        row[column] = None if value is None else json.dumps(value)
+    row: dict[str, Any] = {}
+    for name, value in batch.model_dump(mode="json", exclude={"object"}).items():
+        if name in _FLATTENED:
+            row.update({part: (value or {}).get(part) for part in _FLATTENED[name]})
+        elif name in _JSON_FIELDS:
+            row[_JSON_FIELDS[name]] = None if value is None else json.dumps(value)
+        else:
+            row[name] = value
     return row
 
 
 def _batch_record(row: Any) -> BatchRecord:
     values = dict(row._mapping)
     values.pop("seq", None)
-    values["status"] = Status(values["status"])
+    counts = {part: values.pop(part) for part in _FLATTENED["request_counts"]}
+    tokens = {part: values.pop(part) for part in _FLATTENED["usage"]}
+    usage = None if tokens["input_tokens"] is None else Usage(
+        input_tokens=tokens["input_tokens"], output_tokens=tokens["output_tokens"] or 0,
+        total_tokens=tokens["input_tokens"] + (tokens["output_tokens"] or 0))
     for name, column in _JSON_FIELDS.items():
         text = values.pop(column)
         values[name] = None if text is None else json.loads(text)
-    return BatchRecord(**values)
+    return BatchRecord(**values, request_counts=RequestCounts(**counts), usage=usage)
 
 
 def _endpoint_row(record: WebhookEndpointRecord) -> dict[str, Any]:
@@ -315,20 +317,9 @@ class Store:
         with self.engine.begin() as db:
             if db.dialect.name == "postgresql":  # servers starting together on a new database: one makes the tables
                 db.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK})
-            metadata.create_all(db)
-            self._add_missing_columns(db)
-
-    def _add_missing_columns(self, db: Any) -> None:
-        """An older database gets the columns added since (:data:`_ADDED`), each nullable."""
-        inspector = sa.inspect(db)
-        for table_name, names in _ADDED.items():
-            have = {c["name"] for c in inspector.get_columns(table_name)}
-            table = metadata.tables[table_name]
-            for name in names:
-                if name not in have:
-                    column = table.c[name]
-                    db.execute(sa.text(f"ALTER TABLE {table_name} ADD COLUMN {name} "
-                                       f"{column.type.compile(self.engine.dialect)}"))
+            applied = upgrade(db, metadata)
+        if applied:
+            log.info("database upgraded: %s", ", ".join(applied))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -467,9 +458,10 @@ class Store:
             return None
         batch = self.batch(id)
         if batch is not None:
-            reason = (batch.errors or {}).get("data", [{}])[0].get("code") if to is Status.FAILED else None
-            audit(f"batch.{to.value}", batch=id, owner=batch.owner, server=batch.lease_holder, total=batch.total,
-                  completed=batch.completed, failed=batch.failed, reason=reason)
+            reason = batch.errors.data[0].code if to is Status.FAILED and batch.errors and batch.errors.data else None
+            counts = batch.request_counts
+            audit(f"batch.{to.value}", batch=id, owner=batch.owner, server=batch.lease_holder, total=counts.total,
+                  completed=counts.completed, failed=counts.failed, reason=reason)
         return batch
 
     def update(self, id: str, **changes: Any) -> None:
