@@ -70,17 +70,22 @@ class Scheduler:
         """Stop running batches without ending them (a server started again resumes them) and the loop."""
         self._stopping.set()
         self._wake.set()
-        for running in list(self._running.values()):
+        live = [r for r in self._running.values() if not r.done]
+        for running in live:
             running.halted = True
             running.may_infer.set()  # a run that yields ends now, at its check
             if self.spark is not None:
-                cancel_batch_jobs(self.spark, running.batch_id)
+                try:
+                    cancel_batch_jobs(self.spark, running.batch_id)
+                except Exception as exc:  # the JVM went with the signal that stops the server: its jobs too
+                    log.info("batch %s: its Spark jobs could not be cancelled (%s)", running.batch_id,
+                             type(exc).__name__)  # its text may need the JVM too
         deadline = time.time() + timeout
-        for running in list(self._running.values()):
+        for running in live:
             if running.thread is not None:
                 running.thread.join(max(0.0, deadline - time.time()))
         self._thread.join(max(0.0, deadline - time.time()))
-        for running in list(self._running.values()):  # another server may resume them now
+        for running in live:  # another server may resume them now
             self.leases.release(running.batch_id)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
