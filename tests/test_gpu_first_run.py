@@ -128,6 +128,19 @@ def test_a_sticky_device_error_in_a_step_is_an_engine_death_not_every_request_s_
     assert serving.stopped[0][1] == 1  # the process goes: its tasks rebuild the engine
 
 
+def test_a_dead_tensor_parallel_worker_is_an_engine_death_not_every_later_request_s_error():
+    """vLLM's multiprocess executor raises RuntimeError("Executor failed.") on every call once one of its workers
+    died: the engine is given up and rebuilt, not kept to turn each later request into an engine_error row."""
+    from spark_llm.engine_host.isolation import is_fatal
+
+    assert is_fatal(RuntimeError("Executor failed.")) and not is_fatal(ValueError("Executor failed."))
+    serving = Serving(FakeLLM(step_fails=1, failure=RuntimeError("Executor failed.")))
+    with pytest.raises(EngineDied, match="Executor failed"):
+        serving.client().stream([request(t) for t in range(10, 14)], lambda i, r: None)
+    until(lambda: serving.stopped)
+    assert serving.stopped[0][1] == 1
+
+
 class Hung(FakeLLM):
     def step(self):
         threading.Event().wait()  # a kernel that never returns

@@ -55,13 +55,19 @@ STICKY_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecif
                         "misaligned address", "illegal instruction", "uncorrectable ECC error", "NCCL error",
                         "CUDA error: an illegal", "cudaErrorIllegalAddress", "CUBLAS_STATUS_EXECUTION_FAILED",
                         "CUDNN_STATUS_EXECUTION_FAILED", "hardware exception")
+#: What vLLM's multiprocess executor raises on every call once a tensor-parallel worker died (its ``is_failed``:
+#: vllm/v1/executor/multiproc_executor.py, and EngineCore on ``EXECUTOR_FAILED``): the engine never answers again.
+DEAD_EXECUTOR_ERRORS = ("Executor failed.",)
 
 
 def is_fatal(exc: BaseException) -> bool:
-    """The engine is dead: vLLM's ``EngineDeadError``, or a device error that leaves the CUDA context unusable
-    (:data:`STICKY_DEVICE_ERRORS`). No request can be answered by it any more."""
+    """The engine is dead: vLLM's ``EngineDeadError``, a device error that leaves the CUDA context unusable
+    (:data:`STICKY_DEVICE_ERRORS`), or a tensor-parallel worker gone (:data:`DEAD_EXECUTOR_ERRORS`). No request can
+    be answered by it any more."""
     text = str(exc)
     if any(marker in text for marker in STICKY_DEVICE_ERRORS):
+        return True
+    if isinstance(exc, RuntimeError) and text.strip() in DEAD_EXECUTOR_ERRORS:
         return True
     try:
         from vllm.v1.engine.exceptions import EngineDeadError
