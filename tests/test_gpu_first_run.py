@@ -115,6 +115,44 @@ def test_a_local_master_on_a_host_with_gpus_runs_one_engine_per_gpu_each_pinned(
     assert [env["CUDA_VISIBLE_DEVICES"] for env in spawned] == ["0", "1"]  # each engine on its own GPU
 
 
+def test_an_engine_s_caches_go_to_directories_of_our_own_when_home_is_not_writable(tmp_path, monkeypatch):
+    """YARN's nobody or a container's uid 185 has a HOME it cannot write: vLLM's, Triton's and FlashInfer's caches
+    then go under the engine directory (a variable the executor sets stays); a writable HOME keeps them."""
+    from spark_llm.engine_host import Executor, prestart_slots
+    from spark_llm.engine_host import client as engine_client
+    from spark_llm.engine_host.directory import Slot
+    from spark_llm.engine_host.spec import CACHE_ENV, cache_env, home_writable
+
+    assert cache_env({}, True, "/e/cache") == {}
+    assert cache_env({"TRITON_HOME": "/mine"}, False, "/e/cache") == {
+        name: f"/e/cache/{sub}" for name, sub in CACHE_ENV.items() if name != "TRITON_HOME"}
+    home = tmp_path / "home"
+    home.mkdir()
+    assert home_writable({"HOME": str(home)}) and not home_writable({"HOME": str(tmp_path / "missing")})
+    if os.getuid() != 0:  # root writes anywhere: a read-only HOME is only one for others
+        home.chmod(0o500)
+        assert not home_writable({"HOME": str(home)})
+
+    spawned = []
+
+    class Popen:  # the engine process, not started
+        def __init__(self, cmd, env, **kwargs):
+            spawned.append(env)
+            self.pid = 4343
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path / "engines"))
+    monkeypatch.setattr(engine_client.subprocess, "Popen", Popen)
+    monkeypatch.setattr(engine_client, "home_writable", lambda env: env.get("HOME") != "/nonexistent")
+    spec = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64))
+    for home_dir in ("/nonexistent", str(home)):
+        environ = {"HOME": home_dir, "PATH": os.environ["PATH"]}
+        prestart_slots(spec, ProcessSettings(0, "WARNING"), [Slot("cpu-1-0", ())], Executor(os.getpid(), environ))
+    unwritable, writable = spawned
+    cache = tmp_path / "engines" / "cache"
+    assert unwritable["XDG_CACHE_HOME"] == str(cache / "xdg-cache") and (cache / "triton").is_dir()
+    assert not any(name in writable for name in CACHE_ENV)
+
+
 def test_a_sticky_device_error_in_a_step_is_an_engine_death_not_every_request_s_error():
     from spark_llm.engine_host.isolation import is_fatal
 

@@ -53,7 +53,7 @@ from .directory import (STOP_TIMEOUT_SECONDS, SlotFile, Slot, alive, engine_dir,
 from .placement import TaskPlace
 from .protocol import (STREAM_CHUNK, Ask, EngineDied, EngineGone, EngineRequest, Output, Reply, RequestFailure,
                        SlotRecord)
-from .spec import EngineSpec, ProcessSettings, apply_worker_env
+from .spec import EngineSpec, ProcessSettings, apply_worker_env, cache_env, home_writable
 
 log = logging.getLogger(__name__)
 
@@ -436,6 +436,11 @@ def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
     spec_file.write_text(json.dumps(spec.settings, default=str))
     env = dict(executor.environ if executor is not None else os.environ)
     apply_worker_env(env)
+    if caches := cache_env(env, home_writable(env), str(engine_dir() / "cache")):
+        log.info("HOME (%s) is not writable: the engine's caches go under %s", env.get("HOME"), engine_dir() / "cache")
+        for directory in caches.values():
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        env.update(caches)
     env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_LOGGING_LEVEL=process.engine_log_level)
     if first.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
         env["CUDA_VISIBLE_DEVICES"] = ",".join(first.devices)

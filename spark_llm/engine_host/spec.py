@@ -12,7 +12,7 @@ import os
 import shutil
 import socket
 from dataclasses import dataclass
-from typing import Any, MutableMapping, Optional
+from typing import Any, Mapping, MutableMapping, Optional
 
 from ..config import BatchConfig
 from ..errors import EngineStartError
@@ -44,6 +44,28 @@ WORKER_ENV_DEFAULTS = {
     "VLLM_HOST_IP": "127.0.0.1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+#: Where the engine's libraries keep their caches and settings, each under the user's home unless told otherwise:
+#: vLLM, Hugging Face and torch follow the XDG directories; Triton, FlashInfer and CUDA's kernel cache have their own.
+CACHE_ENV = {"XDG_CACHE_HOME": "xdg-cache", "XDG_CONFIG_HOME": "xdg-config", "TRITON_HOME": "triton",
+             "FLASHINFER_WORKSPACE_BASE": "flashinfer", "CUDA_CACHE_PATH": "cuda"}
+
+
+def cache_env(environ: Mapping[str, str], home_writable: bool, base: str) -> dict[str, str]:
+    """The environment that keeps the engine's caches in directories of our own, under ``base``, when the
+    executor's HOME is not writable (YARN's ``nobody``, a container's uid 185: vLLM, Triton and FlashInfer fail to
+    compile or load kernels there); a variable the executor sets already stays as it is. Nothing when HOME is
+    writable: the caches then persist across engines there, as users expect."""
+    if home_writable:
+        return {}
+    return {name: os.path.join(base, sub) for name, sub in CACHE_ENV.items() if not environ.get(name)}
+
+
+def home_writable(environ: Mapping[str, str]) -> bool:
+    """Whether the home directory a process with ``environ`` gets (HOME, else the user's entry) can be written."""
+    home = environ.get("HOME") or os.path.expanduser("~")
+    return os.path.isdir(home) and os.access(home, os.W_OK | os.X_OK)
 
 
 def apply_worker_env(environ: Optional[MutableMapping[str, str]] = None) -> None:
