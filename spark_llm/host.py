@@ -102,6 +102,21 @@ def process_start_time(pid: int) -> Optional[int]:
         return None
 
 
+def group_members(pgid: int, not_before: Optional[int]) -> list[int]:
+    """The live processes of process group ``pgid`` that started no earlier than ``not_before`` (the leader's
+    recorded start: a group id the kernel gave a later group again names processes that started later still, but
+    this group's members all started after its leader). Linux (``/proc``); elsewhere none."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid and (not_before is None or int(fields[19]) >= not_before):
+            members.append(int(stat.parent.name))
+    return members
+
+
 def is_process(pid: Any, started: Optional[int]) -> bool:
     """Whether ``pid`` is alive and still the process that was recorded with start time ``started`` (see
     :func:`process_start_time`; a record without one is taken at its pid's word)."""

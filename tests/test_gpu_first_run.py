@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -113,6 +114,49 @@ def test_a_local_master_on_a_host_with_gpus_runs_one_engine_per_gpu_each_pinned(
     spec = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64))
     assert prestart_slots(spec, ProcessSettings(0, "WARNING"), slots, Executor(os.getpid(), {})) == slots
     assert [env["CUDA_VISIBLE_DEVICES"] for env in spawned] == ["0", "1"]  # each engine on its own GPU
+
+
+def _engine_group(tmp_path):
+    """A stand-in GPU engine server: a process leading its own group (as the engine servers are started) with a
+    child in it (a tensor-parallel worker); its record, and the child's pid once the child runs."""
+    import sys
+
+    from spark_llm.engine_host.directory import process_record
+
+    child_pid = tmp_path / "child.pid"
+    child_pid.unlink(missing_ok=True)
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, time; c = subprocess.Popen(['sleep', '300']); "
+         f"open({str(child_pid)!r} + '.tmp', 'w').write(str(c.pid)); "
+         f"os.replace({str(child_pid)!r} + '.tmp', {str(child_pid)!r}); time.sleep(300)"], start_new_session=True)
+    until(child_pid.exists)  # whole: written aside, then renamed
+    return leader, process_record(leader.pid, devices=("0",)), int(child_pid.read_text())
+
+
+def test_a_kill_ends_a_gpu_engine_s_whole_process_group_and_the_next_engine_ends_what_is_left(tmp_path):
+    """A kill of a GPU engine reaches its tensor-parallel workers (its process group), not the server alone; and an
+    engine server that died by itself and left a worker holding the device is cleared by the next engine on it,
+    which finds the last holder in the device's lock (the lock is free once the server is gone; the device is not)."""
+    from spark_llm.engine_host.client import signal_engine
+    from spark_llm.engine_host.directory import end_leftovers, lock_holder, record_holder
+    from spark_llm.host import group_members, process_alive, try_lock
+
+    leader, record, child = _engine_group(tmp_path)
+    assert sorted(group_members(leader.pid, record.pid_started)) == sorted([leader.pid, child])
+    assert signal_engine(record, signal.SIGKILL)
+    leader.wait(10)
+    until(lambda: not process_alive(child))  # the worker went with the server
+
+    leader, record, child = _engine_group(tmp_path)
+    fd = try_lock(tmp_path / "device-0.lock")
+    record_holder(fd, record)
+    assert lock_holder(fd) == record
+    os.kill(leader.pid, signal.SIGKILL)  # the server dies by itself; its worker stays, holding the GPU
+    leader.wait(10)
+    assert process_alive(child) and group_members(record.pid, record.pid_started) == [child]
+    assert end_leftovers(lock_holder(fd)) == [child]
+    assert not process_alive(child) and group_members(record.pid, record.pid_started) == []
+    os.close(fd)
 
 
 def test_an_engine_s_caches_go_to_directories_of_our_own_when_home_is_not_writable(tmp_path, monkeypatch):

@@ -408,11 +408,17 @@ def stop_engine(slot: Slot, info: SlotRecord, timeout: float = STOP_TIMEOUT_SECO
 
 
 def signal_engine(info: SlotRecord, signum: int) -> bool:
-    """Send ``signum`` to the engine process ``info`` names, if that process still runs and is the one recorded."""
+    """Send ``signum`` to the engine process ``info`` names, if that process still runs and is the one recorded; a
+    GPU engine's whole process group with it (it leads its own: its tensor-parallel workers are in it, and a kill of
+    the server alone leaves them holding GPU memory). CPU slots started together share their launcher's group, so
+    theirs are signalled one by one."""
     if alive(info) is None:
         return False
     with contextlib.suppress(ProcessLookupError):
-        os.kill(info.pid, signum)
+        if info.devices and os.getpgid(info.pid) == info.pid:
+            os.killpg(info.pid, signum)
+        else:
+            os.kill(info.pid, signum)
         return True
     return False
 

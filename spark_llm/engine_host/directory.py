@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import stat
 import tempfile
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import EngineStartError
-from ..host import is_process, process_start_time, read_record
+from ..host import group_members, is_process, process_start_time, read_record
 from .protocol import SlotRecord
 
 ENGINE_DIR_ENV = "SPARK_LLM_ENGINE_DIR"
@@ -144,6 +145,39 @@ class Slot:
 def device_lock(device: str) -> Path:
     """The lock the engine process on GPU ``device`` holds for its whole life: never two engines on one device."""
     return engine_dir() / f"device-{device}.lock"
+
+
+def end_leftovers(record: SlotRecord, timeout: float = STOP_TIMEOUT_SECONDS) -> list[int]:
+    """Kill what is left of the engine process group ``record`` names (a GPU engine server that died and left its
+    tensor-parallel workers holding the device) and wait until it is gone; the pids found. The next engine on the
+    device calls it, holding the device's lock, before it loads."""
+    if not record.devices or record.pid == os.getpgrp():  # ours: a group id is not given again while it is in use
+        return []
+    left = group_members(record.pid, record.pid_started)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while left and group_members(record.pid, record.pid_started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def lock_holder(fd: int) -> Optional[SlotRecord]:
+    """The engine process that last held the device lock ``fd`` (a locked file: :func:`record_holder`), if any."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        return SlotRecord.of(json.loads(os.read(fd, 4096) or b"null"))
+    except ValueError:
+        return None
+
+
+def record_holder(fd: int, record: SlotRecord) -> None:
+    """Write the engine process holding the device lock ``fd`` into it, for the next holder's
+    :func:`end_leftovers`."""
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps(record.as_json()).encode())
 
 
 def start_failed_marker(slot: Slot, key: str, run_id: str) -> Path:

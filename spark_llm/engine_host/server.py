@@ -45,8 +45,8 @@ from typing import Any, Iterator, Optional, Sequence
 from ..errors import EngineStartError, RequestError
 from ..media import decode
 from ..host import process_alive, try_lock, write_private
-from .directory import (STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, engine_dir, event, process_record,
-                        start_failed_marker)
+from .directory import (STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, end_leftovers, engine_dir, event,
+                        lock_holder, process_record, record_holder, start_failed_marker)
 from .isolation import generate_isolating, is_fatal
 from .protocol import (POOLING_CALLS, Ask, EngineRequest, EngineTask, Output, Reply, RequestFailure, SlotRecord,
                        SlotStats)
@@ -716,6 +716,10 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
                                             f"{STOP_TIMEOUT_SECONDS:.0f}s; see {engine_dir()}")
                 server.stop("device busy", code=1)
             time.sleep(0.2)
+        if (left := end_leftovers(lock_holder(fd) or SlotRecord(0))):  # the device is free of them, now
+            log.warning("GPU %s: ended %d process(es) that the engine before left holding it: %s", device, len(left),
+                        left)
+        record_holder(fd, process_record(os.getpid(), devices=slot.devices))
         device_locks.append(fd)
     event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
 
