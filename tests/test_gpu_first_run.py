@@ -116,6 +116,29 @@ def test_a_local_master_on_a_host_with_gpus_runs_one_engine_per_gpu_each_pinned(
     assert [env["CUDA_VISIBLE_DEVICES"] for env in spawned] == ["0", "1"]  # each engine on its own GPU
 
 
+def test_a_long_blocking_engine_call_keeps_the_heartbeat_and_is_not_taken_for_a_hung_engine(monkeypatch):
+    """A step fails and its requests are run again by blocking calls (as a pooling engine's whole calls are) that
+    take longer than the client waits for a word (engine_call_timeout_seconds): the engine sends its heartbeat
+    while they run, and every request is answered instead of the engine being killed as hung."""
+    import time as clock
+
+    from spark_llm.engine_host import server as engine_server
+    from spark_llm.engine_host.spec import ProcessSettings
+
+    class SlowIsolation(FakeLLM):
+        def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+            clock.sleep(3.0)
+            return super().generate(prompts, params)
+
+    monkeypatch.setattr(engine_server, "HEARTBEAT_SECONDS", 0.1)
+    client = Serving(SlowIsolation(step_fails=2)).client()
+    client.stream([request(5)], lambda i, r: None)  # step 1: warm (the first call imports what requests need)
+    client._process = ProcessSettings(0, "WARNING", engine_call_timeout_seconds=1.0)
+    got = []
+    client.stream([request(t) for t in range(10, 13)], lambda i, r: got.append(i))  # step 2 fails: 3 s calls
+    assert sorted(got) == [0, 1, 2]
+
+
 def _engine_group(tmp_path):
     """A stand-in GPU engine server: a process leading its own group (as the engine servers are started) with a
     child in it (a tensor-parallel worker); its record, and the child's pid once the child runs."""

@@ -276,6 +276,26 @@ class EngineServer:
             stream.sender.put((Reply.RESULTS, []))
         self.record_busy()
 
+    @contextlib.contextmanager
+    def _beating(self, streams: set[_Stream]) -> Iterator[None]:
+        """While a blocking engine call runs (a pooling engine's whole call, the isolation after a failed step), the
+        word a stepping engine sends (:meth:`_beat`), from a thread of its own, to the ``streams`` it works for: a
+        long call is not taken for a hung engine. The thread is gone before the call's results are sent, so no word
+        follows a stream's end."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(HEARTBEAT_SECONDS):
+                for stream in streams:
+                    stream.sender.put((Reply.RESULTS, []))
+        thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     def record_busy(self) -> None:
         """The engine's busy seconds so far into ``<slot>.stats`` (read by the service's metrics: a counter whose
         rate is the engine's busy fraction)."""
@@ -311,7 +331,9 @@ class EngineServer:
                 stream, chunk = args
                 t0 = time.monotonic()
                 try:
-                    self._answer(stream, list(zip([i for i, _ in chunk], self.generate([r for _, r in chunk]))))
+                    with self._beating({stream}):
+                        results = self.generate([r for _, r in chunk])
+                    self._answer(stream, list(zip([i for i, _ in chunk], results)))
                 finally:
                     self.busy_seconds += time.monotonic() - t0
             elif op == "stop":
@@ -385,7 +407,8 @@ class EngineServer:
         self._abort(entries)
         flight.clear()
         try:
-            results = self.generate([e.request for e in entries])
+            with self._beating({e.stream for e in entries}):
+                results = self.generate([e.request for e in entries])
         except Exception as fatal:  # generate re-raises only what killed the engine
             self._die(fatal)
         by_stream: dict[_Stream, list] = {}
