@@ -292,6 +292,11 @@ class BatchConfig(BaseModel):
         "sends one every few seconds; an embedding engine answers whole calls): after that the engine counts as "
         "hung, is stopped and rebuilt, and the requests it held are retried as after an engine death.",
         json_schema_extra=group("model and engine"))
+    engine_start_timeout_seconds: float = Field(
+        1800.0, gt=0, description="Seconds an engine may take to load (vLLM's start: weights onto the GPU, compile, "
+        "KV cache) before its start counts as failed. The copy of a model from a URI to the host's disk is not "
+        "counted: a 70B model's copy alone takes 15-25 minutes at 100-150 MB/s.",
+        json_schema_extra=group("model and engine"))
     engine_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING", description="vLLM's log level in the engine processes (VLLM_LOGGING_LEVEL), whose logs go to "
         "<engine dir>/<slot>.log, not to the executor logs. INFO shows vLLM's configuration dumps and kernel "

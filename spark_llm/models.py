@@ -111,14 +111,28 @@ def _copy_uri(uri: str, dest: Path, weights: bool) -> None:
                                f"a URI with credentials in the environment") from None
     if not files:
         raise ModelSourceError(f"no model files at {uri}: set --model to the model's directory")
+    files = [i for i in files if weights or not i.path.endswith(WEIGHT_SUFFIXES)]
+    check_free_space(sum(i.size or 0 for i in files), dest, uri)
     for info in files:
-        if not weights and info.path.endswith(WEIGHT_SUFFIXES):
-            continue
         out = dest / info.path[len(root.rstrip("/")) + 1:]
         out.parent.mkdir(parents=True, exist_ok=True)
         with filesystem.open_input_stream(info.path) as src, open(out, "wb") as dst:
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
+
+
+#: Free space a model's copy leaves on the disk it goes to, beyond its own bytes (the engine's own caches share it).
+SPARE_BYTES = 1 << 30
+
+
+def check_free_space(need: int, dest: Path, source: str) -> None:
+    """Refuse a copy of ``need`` bytes from ``source`` into ``dest`` that the disk cannot hold (with
+    :data:`SPARE_BYTES` to spare) before a byte is written: a disk filled half way fails later and worse."""
+    free = shutil.disk_usage(dest).free
+    if need + SPARE_BYTES > free:
+        raise ModelSourceError(
+            f"not enough free space for the model at {source}: {need / 1e9:.1f} GB to copy, {free / 1e9:.1f} GB "
+            f"free at {dest.parent}; set {MODEL_CACHE_ENV} to a directory on a larger disk")
 
 
 _HUB_SCRIPT = """

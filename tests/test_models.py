@@ -136,3 +136,50 @@ def test_a_dry_run_reads_a_model_given_as_a_uri(spark, tiny_model, tmp_path, cac
     assert by_path.prompt_tokens > 0
     [meta] = [p for p in cache.iterdir() if p.is_dir()]
     assert meta.name.endswith("-meta") and not list(meta.glob("*.safetensors"))
+
+
+def test_a_copy_the_disk_cannot_hold_is_refused_before_a_byte_is_written(model_dir, cache, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 0, models.SPARE_BYTES + (1 << 19)))
+    with pytest.raises(ModelSourceError, match=rf"GB to copy, 1.1 GB free at .*; set {models.MODEL_CACHE_ENV}"):
+        local_copy(f"file://{model_dir}")  # 1 MiB of weights does not fit in the half MiB beyond the spare
+    assert not [p for p in cache.iterdir() if p.is_dir()]  # nothing of it written, not even a partial copy
+    assert Path(local_copy(f"file://{model_dir}", weights=False), "config.json").exists()  # without weights it fits
+
+
+def test_an_engine_s_start_limit_leaves_the_copy_of_its_model_out(tmp_path, monkeypatch):
+    """A server that copies its model for 3 s and is ready 0.5 s later, under a 2 s start limit: it started in
+    time, for the copy is not counted (it would have been refused at 2 s, before it was ready)."""
+    import subprocess
+    import sys
+    import threading
+
+    from spark_llm.engine_host import client as engine_client
+    from spark_llm.engine_host.directory import ENGINE_DIR_ENV, Slot, SlotFile, process_record
+    from spark_llm.host import write_private
+
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path / "engines"))
+    slot = Slot("gpu-0", ("0",))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        slot.path(SlotFile.LOG).parent.mkdir(parents=True, exist_ok=True)
+        write_private(slot.path(SlotFile.STARTING), process_record(proc.pid, devices=("0",)).as_json())
+        began = time.time()
+
+        def server() -> None:  # what the engine server writes: the copy under way, its end, then ready
+            write_private(slot.path(SlotFile.COPY), {"pid": proc.pid, "began_at": began, "seconds": None})
+            time.sleep(3.0)
+            write_private(slot.path(SlotFile.COPY), {"pid": proc.pid, "began_at": began, "seconds": 3.0})
+            time.sleep(0.5)
+            write_private(slot.path(SlotFile.READY), process_record(proc.pid, devices=("0",), authkey="k").as_json())
+        writer = threading.Thread(target=server)
+        writer.start()
+        info = engine_client.await_server(slot, proc.pid, proc, timeout=2.0)
+        writer.join()
+        assert info.pid == proc.pid and time.time() - began >= 3.5
+    finally:
+        proc.kill()
+        proc.wait()

