@@ -83,11 +83,11 @@ DELTA_CONF = {
 def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] = None,
                 app_name: str = "spark_llm", remote: Optional[str] = None) -> SparkSession:
     """The active session if there is one (Databricks, notebooks); under spark-submit the session its command line
-    describes (plus Delta's SQL extension); else a new local one (``master`` default ``local[2]``) that pulls
-    Delta's jars from Maven Central through ``spark.jars.packages`` (the first time; then the jars it resolved)
-    and runs its Python workers on this interpreter,
-    with the engine's worker environment (set in this process's environment where not already set, since local
-    workers inherit it).
+    describes (plus Delta's SQL extension); else a new one that pulls Delta's jars from Maven Central through
+    ``spark.jars.packages`` (the first time; then the jars it resolved): on a cluster's ``master`` with the
+    cluster's own settings (:func:`session_conf`), or a local one (``master`` default ``local[2]``) that runs its
+    Python workers on this interpreter, with the engine's worker environment (set in this process's environment
+    where not already set, since local workers inherit it).
 
     With ``remote``, a Spark Connect session instead: ``sc://...`` connects to a running server (Delta and the
     cluster's settings are the server's); ``local[N]`` starts a local Connect server set up like the local session.
@@ -105,11 +105,11 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
         return builder.getOrCreate()
     from delta import configure_spark_with_delta_pip
 
-    # Local mode: the workers are children of this process and inherit its environment, read when Spark starts.
-    set_local_environment()
-
-    settings = {**LOCAL_DEFAULTS, **DELTA_CONF, "spark.pyspark.python": sys.executable,
-                "spark.pyspark.driver.python": sys.executable, **dict(conf or {})}
+    named_master = master or dict(conf or {}).get("spark.master")
+    local = bool(remote) or is_local_master({"spark.master": named_master or "local[2]"})
+    if local:  # the workers are children of this process and inherit its environment, read when Spark starts
+        set_local_environment()
+    settings = session_conf(None if remote else named_master, conf)
     if remote:  # a local Connect server: its own SparkContext in this process, the client talks gRPC to it
         builder = SparkSession.builder.appName(app_name).remote(with_task_retries(remote))
     else:
@@ -118,7 +118,8 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     recorded = recorded_delta_jars() if only_delta else None
     if recorded:
         settings["spark.jars"] = recorded
-    settings["spark.driver.extraJavaOptions"] = local_java_options(settings)
+    if local:
+        settings["spark.driver.extraJavaOptions"] = local_java_options(settings)
     for key, value in settings.items():
         builder = builder.config(key, value)
     with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
@@ -133,6 +134,17 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     if not remote:
         spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def session_conf(master: Optional[str], conf: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The settings a session started from the command line gets, before the caller's ``conf``: a local master
+    (``local[N]``, the default) gets :data:`LOCAL_DEFAULTS` (tuned for engines sharing this machine's cores) and
+    this interpreter for its Python workers; a cluster's master (``spark://``, ``yarn``, ``k8s://``) only Delta's,
+    so the cluster's own settings, memory and Python stay as its administrators set them (as under spark-submit)."""
+    if master and not is_local_master({"spark.master": master}):
+        return {**DELTA_CONF, **dict(conf or {})}
+    return {**LOCAL_DEFAULTS, **DELTA_CONF, "spark.pyspark.python": sys.executable,
+            "spark.pyspark.driver.python": sys.executable, **dict(conf or {})}
 
 
 def set_local_environment() -> None:

@@ -147,3 +147,20 @@ def test_a_local_session_s_python_workers_run_pyspark_from_its_package_with_its_
         probe, "zips int, pyspark string, daemon string, frozen long").first()
     assert row["zips"] == 0 and ".zip" not in row["pyspark"] and row["daemon"] == "spark_llm.worker_daemon"
     assert row["frozen"] > 10_000  # what the daemon imported before forking: out of the per-task collections
+
+
+def test_a_cluster_s_master_on_the_command_line_keeps_the_cluster_s_settings_and_python():
+    """`spark-llm run|serve --master spark://...` (or yarn, k8s://): no local defaults (4 shuffle partitions, the
+    local JVM's tuning) and not this interpreter for the executors' Python, as under spark-submit; a local master
+    gets them."""
+    import sys
+
+    from spark_llm.session import DELTA_CONF, LOCAL_DEFAULTS, session_conf
+
+    for master in ("spark://host:7077", "yarn", "k8s://https://api:6443"):
+        conf = session_conf(master, {"spark.executor.memory": "40g"})
+        assert conf == {**DELTA_CONF, "spark.executor.memory": "40g"}, master
+    for master in (None, "local[4]", "local"):
+        conf = session_conf(master)
+        assert LOCAL_DEFAULTS.items() <= conf.items() and conf["spark.pyspark.python"] == sys.executable
+    assert session_conf("local[2]", {"spark.sql.shuffle.partitions": "64"})["spark.sql.shuffle.partitions"] == "64"
