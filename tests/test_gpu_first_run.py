@@ -139,6 +139,31 @@ def test_a_long_blocking_engine_call_keeps_the_heartbeat_and_is_not_taken_for_a_
     assert sorted(got) == [0, 1, 2]
 
 
+def test_a_cluster_task_on_a_gpu_host_without_gpu_scheduling_is_refused_with_what_to_set(tmp_path, monkeypatch):
+    """A non-local master, no spark.executor.resource.gpu.amount, and a host whose nvidia-smi lists GPUs: the task
+    does not start an engine that all the host's tasks would put on GPU 0; it says what to set. A local master
+    (its engines pinned), a task with Spark's GPUs, or a host without GPUs goes on."""
+    from spark_llm.engine_host.client import hold_feed
+    from spark_llm.engine_host.placement import TaskPlace, unscheduled_gpus
+
+    cluster_task = TaskPlace()  # what a cluster's inference task gets without GPU scheduling
+    assert "spark.executor.resource.gpu.amount" in unscheduled_gpus(cluster_task, ("0", "1"))
+    assert unscheduled_gpus(cluster_task, ()) is None
+    assert unscheduled_gpus(TaskPlace(gpus=("1",)), ("0", "1")) is None
+    assert unscheduled_gpus(TaskPlace(local_engines=2, local_devices=(("0",), ("1",))), ("0", "1")) is None
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path / "engines"))
+    with pytest.raises(EngineStartError, match="Spark assigned this task none"):
+        with hold_feed(cluster_task):
+            pass
+
+
 def _engine_group(tmp_path):
     """A stand-in GPU engine server: a process leading its own group (as the engine servers are started) with a
     child in it (a tensor-parallel worker); its record, and the child's pid once the child runs."""

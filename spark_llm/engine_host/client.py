@@ -50,7 +50,7 @@ from ..errors import EngineStartError
 from ..host import is_process, lock, process_alive, try_lock, write_private
 from .directory import (STOP_TIMEOUT_SECONDS, SlotFile, Slot, alive, copy_seconds, engine_dir, executor_pid,
                         process_record, start_failed_marker)
-from .placement import TaskPlace
+from .placement import TaskPlace, local_gpus, unscheduled_gpus
 from .protocol import (STREAM_CHUNK, Ask, EngineDied, EngineGone, EngineRequest, Output, Reply, RequestFailure,
                        SlotRecord)
 from .spec import EngineSpec, ProcessSettings, apply_worker_env, cache_env, home_writable
@@ -113,6 +113,8 @@ def hold_feed(place: TaskPlace) -> Iterator[Feed]:
         while (taken := _take_first_free(places)) is None:
             time.sleep(0.05)
     else:
+        if (why := unscheduled_gpus(place, local_gpus())) is not None:
+            raise EngineStartError(why)
         feeds, n = 1, 0
         while (taken := _take_first_free([(Slot.cpu(n), 0)])) is None:
             n += 1

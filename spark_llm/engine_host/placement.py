@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..config import BatchConfig, ConfigError
 from ..errors import EngineStartError
@@ -256,6 +256,20 @@ def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int, fee
     gpus = 1.0 / feeds if tensor_parallel_size == 1 and feeds > 1 else tensor_parallel_size
     requests = TaskResourceRequests().cpus(cpus).resource("gpu", gpus)
     return ResourceProfileBuilder().require(requests).build
+
+
+def unscheduled_gpus(place: TaskPlace, host_gpus: Sequence[str]) -> Optional[str]:
+    """Why a task may not start an engine of its own: it runs on a cluster's executor (not a local master, whose
+    engines are pinned to the host's GPUs) whose host has GPUs ``host_gpus``, and Spark gave it none (GPU scheduling
+    off). Its engine would not be pinned: every task's would take 90% of GPU 0, all but one fail, and the batch
+    with them. None: it may."""
+    if place.gpus or place.local_engines is not None or not host_gpus:
+        return None
+    return (f"this executor's host has GPUs ({', '.join(host_gpus)}) but Spark assigned this task none: Spark's GPU "
+            "scheduling is off, so each task's engine would take GPU 0 and all but one fail. Set "
+            "spark.executor.resource.gpu.amount to the GPUs of an executor and "
+            "spark.executor.resource.gpu.discoveryScriptPath (docs/gpu.md), or hide the GPUs from the executors "
+            "(CUDA_VISIBLE_DEVICES='') to run on CPU")
 
 
 def task_gpus(tensor_parallel_size: int) -> Optional[list[str]]:
