@@ -42,6 +42,8 @@ def test_the_wheel_installs_with_its_extras_in_a_clean_venv_under_its_own_name(t
     elsewhere.mkdir()
     where = run(bin / "python", "-c", "import spark_llm, importlib.metadata as m; "
                 "print(spark_llm.__file__); print(m.version('spark-llm-batch'))", cwd=elsewhere).split()
+    # what the serve extra promises: the service's modules import, webhook delivery's client with them
+    run(bin / "python", "-c", "import httpx, spark_llm.service.server, spark_llm.service.delivery", cwd=elsewhere)
     assert where[0].startswith(str(tmp_path / "venv")) and where[1] == project["version"]
     assert "usage: spark-llm" in run(bin / "spark-llm", "--help", cwd=elsewhere)
     assert "--webhook-hosts" in run(bin / "spark-llm", "serve", "--help", cwd=elsewhere)
