@@ -26,7 +26,7 @@ DESIGN_NAMES: dict[str, str] = {
 
 #: Setting groups, in the order ``spark-llm run --help`` shows them. Every field names its group once, below.
 GROUPS = ("input", "table input", "output", "model and engine", "sampling defaults", "moderations", "limits",
-          "images", "partitioning and waves")
+          "images", "partitioning and waves", "cluster")
 
 
 #: Batch priorities, most urgent first (``priority``; the batch service's ``metadata.priority``).
@@ -397,6 +397,18 @@ class BatchConfig(BaseModel):
         "tensor-parallel group is fed by one task); on a local master, as many as its task threads allow "
         "(local[4] with 2 engines: 2 each). 1: one task per engine, the engine idle between its tasks.",
         json_schema_extra=group("partitioning and waves"))
+    gpus_per_executor: Optional[int] = Field(
+        None, ge=1, description="With dynamic allocation (spark.dynamicAllocation.enabled=true): the GPUs of each "
+        "executor the inference stage asks Spark for (a stage-level resource profile with executor resources), so "
+        "that Spark adds GPU executors as inference starts and removes them when idle, while reading and "
+        "validation run on executors without GPUs; leave spark.executor.resource.gpu.amount unset. The batch's "
+        "engines: spark.dynamicAllocation.maxExecutors x this / tensor_parallel_size.",
+        json_schema_extra=group("cluster"))
+    gpu_discovery_script: Optional[str] = Field(
+        None, description="With gpus_per_executor: the script that lists an added executor's GPUs "
+        "(spark.executor.resource.gpu.discoveryScript's role; YARN and Kubernetes need one, a standalone worker "
+        "hands its own GPUs out). Kubernetes executors ask for nvidia.com GPUs.",
+        json_schema_extra=group("cluster"))
     prefix_aware_partitions: bool = Field(
         True, description="Keep requests that share a leading prefix (system prompt, few-shot block, one document "
         "asked several questions) in one partition, adjacent, so the engine's prefix cache computes the prefix once; "
@@ -435,6 +447,9 @@ class BatchConfig(BaseModel):
             raise ValueError("finish_unanswered ends a batch an earlier run started: it needs resume (--resume)")
         if self.prompt_column and self.messages_column:
             raise ValueError("give prompt_column or messages_column, not both")
+        if self.gpu_discovery_script and not self.gpus_per_executor:
+            raise ValueError("gpu_discovery_script lists the GPUs of the executors gpus_per_executor asks for: set "
+                             "gpus_per_executor too")
         self._check_models()
         if self.compact_json and self.structured_outputs_backend not in ("xgrammar", "guidance"):
             raise ValueError("compact_json needs structured_outputs_backend xgrammar or guidance (vLLM's other "

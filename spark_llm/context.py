@@ -10,6 +10,7 @@ import functools
 import json
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -17,7 +18,8 @@ from pyspark.sql import SparkSession
 
 from . import storage
 from .config import BatchConfig
-from .engine_host.placement import EngineLayout, config_layout, inference_profile
+from .engine_host.placement import (EngineLayout, InferenceResources, config_added_executors, config_layout,
+                                   inference_resources, resource_profile)
 from .engine_host.protocol import EngineTask
 from .metrics import ListParam
 from .models import resolve, resolve_models, tasks_of
@@ -85,6 +87,10 @@ class RunListener:
         return False
 
 
+#: The inference stages' ResourceProfiles, per session and resources (see RunContext.gpu_profile).
+_PROFILES: "weakref.WeakKeyDictionary[SparkSession, dict[InferenceResources, Any]]" = weakref.WeakKeyDictionary()
+
+
 @dataclass(frozen=True)
 class RunContext:
     spark: SparkSession
@@ -131,8 +137,17 @@ class RunContext:
 
     @property
     def gpu_profile(self) -> Any:
-        """The inference stage's ResourceProfile (its GPUs), or None (see engine.inference_profile)."""
-        return inference_profile(spark_conf(self.spark), self.cfg.tensor_parallel_size, self.layout.feeds)
+        """The inference stage's ResourceProfile (its GPUs), or None (see placement.inference_resources): one per
+        session and resources, so that every wave, model and batch of the session runs on the same executors."""
+        conf = spark_conf(self.spark)
+        wanted = inference_resources(conf, self.cfg.tensor_parallel_size, self.layout.feeds,
+                                     config_added_executors(self.cfg, conf))
+        if wanted is None:
+            return None
+        made = _PROFILES.setdefault(self.spark, {})
+        if wanted not in made:
+            made[wanted] = resource_profile(wanted)
+        return made[wanted]
 
     @property
     def batch_id(self) -> str:

@@ -49,7 +49,8 @@ def run_batch(spark: SparkSession, config: BatchConfig, listener: Optional[RunLi
     config.require_ready()
     check_delta(spark)
     conf = spark_conf(spark)
-    check_gpu_settings(conf, config.tensor_parallel_size)
+    check_gpu_settings(conf, config.tensor_parallel_size, gpus_per_executor=config.gpus_per_executor,
+                       engines=config.num_task_slots)
     if (warning := retry_budget_warning(conf)) is not None:
         log.warning("%s", warning)
     run = RunContext.start(spark, config, listener)

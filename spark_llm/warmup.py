@@ -18,7 +18,7 @@ from .background import EngineJob
 from .config import BatchConfig, config_view
 from .context import RunContext
 from .engine_host import EngineSpec, Executor, ProcessSettings, TaskPlace, engine_for, prestart, prestart_slots
-from .engine_host.placement import config_layout, has_gpus, inference_profile, task_gpus
+from .engine_host.placement import config_added_executors, config_layout, has_gpus, inference_profile, task_gpus
 from .infer import InferContext
 from .models import resolve
 from .session import (is_connect, is_local_master, local_executor, local_parallelism, local_session_conf,
@@ -65,6 +65,8 @@ class EngineWarmup(EngineJob):
       quick task per CPU slot does it (:func:`prestart_partition`). Either way the prepare stage
       keeps every task slot, and the first inference task of a slot waits for its engine.
     - Other clusters without GPUs: nothing (which executor's slots the inference tasks will take is not known).
+    - Dynamic allocation with ``gpus_per_executor``: nothing; the executors Spark adds as the first wave asks for
+      them start their engines in its first tasks.
     """
 
     def __init__(self, run: RunContext, blocking: bool):
@@ -76,6 +78,8 @@ class EngineWarmup(EngineJob):
         if run.cfg.finish_unanswered:  # nothing will run
             return None
         conf = spark_conf(run.spark)
+        if config_added_executors(run.cfg, conf) is not None:
+            return None  # a job per engine would have Spark add every executor it may, before any is needed
         if has_gpus(conf):
             return cls(run, blocking=True)
         if is_local_master(conf) and not is_connect(run.spark) and prestart_here(run, conf):

@@ -29,12 +29,60 @@ from spark_llm.errors import EngineStartError
 GPUS_2 = {"spark.executor.resource.gpu.amount": "2"}
 
 
-def test_dynamic_allocation_with_stage_level_gpus_stops_at_the_settings_check_with_what_to_set():
-    with pytest.raises(ConfigError, match="spark.dynamicAllocation.enabled=false.*spark.task.resource.gpu.amount"):
-        check_gpu_settings({**GPUS_2, "spark.executor.cores": "4", "spark.dynamicAllocation.enabled": "true"}, 1)
-    # the way that works with it on: every stage asks for its share of a GPU
-    check_gpu_settings({**GPUS_2, "spark.executor.cores": "4", "spark.dynamicAllocation.enabled": "true",
-                        "spark.task.resource.gpu.amount": "0.5"}, 1)
+DYNAMIC = {"spark.master": "yarn", "spark.executor.cores": "4", "spark.dynamicAllocation.enabled": "true",
+           "spark.dynamicAllocation.maxExecutors": "3"}
+
+
+def test_dynamic_allocation_with_gpus_on_every_executor_stops_at_the_settings_check_with_what_to_set():
+    """Every executor with GPUs: the reading executors hold them (and keep them, the requests cached there) while
+    the inference stage waits for executors of its own."""
+    with pytest.raises(ConfigError, match="Set gpus_per_executor.*spark.task.resource.gpu.amount=1/N"):
+        check_gpu_settings({**GPUS_2, **DYNAMIC}, 1)
+    # the ways that work with it on: the inference stage asks for GPU executors, or every stage for its GPU share
+    check_gpu_settings(DYNAMIC, 1, gpus_per_executor=2)
+    check_gpu_settings({**GPUS_2, **DYNAMIC, "spark.task.resource.gpu.amount": "0.5"}, 1)
+
+
+@pytest.mark.parametrize("conf, settings, message", [
+    ({**DYNAMIC, "spark.dynamicAllocation.enabled": "false"}, {}, "dynamic allocation is off.*set "
+     "spark.executor.resource.gpu.amount instead"),
+    ({**DYNAMIC, "spark.master": "local[4]"}, {}, "dynamic allocation is off"),
+    ({**DYNAMIC, **GPUS_2}, {}, "spark.executor.resource.gpu.amount is set too"),
+    ({**DYNAMIC, "spark.task.resource.gpu.amount": "1"}, {}, "spark.task.resource.gpu.amount is set too"),
+    ({k: v for k, v in DYNAMIC.items() if k != "spark.dynamicAllocation.maxExecutors"}, {},
+     "set spark.dynamicAllocation.maxExecutors"),
+    ({**DYNAMIC, "spark.dynamicAllocation.maxExecutors": str(2**31 - 1)}, {}, "set spark.dynamicAllocation.max"),
+    (DYNAMIC, {"tensor_parallel_size": 4}, "tensor_parallel_size is 4 but gpus_per_executor is 2"),
+    ({**DYNAMIC, "spark.executor.cores": "1"}, {}, "room for 2 engine.*run 1 task"),
+])
+def test_gpus_per_executor_outside_what_it_is_for_stops_at_the_settings_check(conf, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        check_gpu_settings(conf, settings.get("tensor_parallel_size", 1), gpus_per_executor=2)
+
+
+def test_with_dynamic_allocation_the_plan_counts_the_engines_of_the_most_executors_spark_may_add():
+    cfg = BatchConfig(model="m", gpus_per_executor=2)
+    conf = {**DYNAMIC, "spark.executor.instances": "1"}  # only where dynamic allocation starts
+    layout = config_layout(cfg, conf, parallelism=lambda: 2, local_threads=None)
+    assert (layout.engines, layout.feeds) == (6, 2)  # 3 executors x 2 GPUs, 4 cores: two tasks per GPU
+    assert config_layout(cfg.model_copy(update={"num_task_slots": 2}), conf, lambda: 2, None).engines == 2
+    # without gpus_per_executor the executors have no GPUs: an engine per task slot
+    assert config_layout(BatchConfig(model="m"), DYNAMIC, lambda: 5, None).engines == 5
+
+
+def test_the_inference_stage_asks_for_executors_with_gpus_only_under_dynamic_allocation():
+    from spark_llm.engine_host.placement import added_executors, inference_profile
+
+    added = added_executors(DYNAMIC, 2, "/opt/gpus.sh")
+    profile = inference_profile(DYNAMIC, 1, feeds=2, added=added)
+    gpu = profile.executorResources["gpu"]
+    assert (gpu.amount, gpu.discoveryScript, gpu.vendor) == (2, "/opt/gpus.sh", "")
+    assert profile.taskResources["gpu"].amount == 0.5
+    assert "cores" not in profile.executorResources  # the default executor's cores and memory
+    on_k8s = added_executors({**DYNAMIC, "spark.master": "k8s://https://api:6443"}, 1)
+    assert on_k8s is not None and on_k8s.vendor == "nvidia.com"
+    assert added_executors({**DYNAMIC, "spark.dynamicAllocation.enabled": "false"}, 2) is None
+    assert added_executors(DYNAMIC, None) is None
 
 
 def test_executors_with_fewer_cores_than_gpus_stop_at_the_settings_check():

@@ -46,11 +46,91 @@ def _amount(spark_conf: dict[str, str], key: str) -> float:
         raise ConfigError(f"{key} is {spark_conf.get(key)!r}, not a number") from None
 
 
-def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) -> None:
+def dynamic_allocation(spark_conf: Mapping[str, str]) -> bool:
+    """Spark adds and removes executors as the backlog asks (a local master has no dynamic allocation)."""
+    master = str(spark_conf.get("spark.master", ""))
+    return str(spark_conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true" and not (
+        master == "local" or master.startswith("local["))
+
+
+@dataclass(frozen=True)
+class AddedExecutors:
+    """The executors with GPUs that the inference stage asks Spark to add (dynamic allocation, ``gpus_per_executor``):
+    ``gpus`` each, listed by ``discovery_script`` on the executor (YARN, Kubernetes) and of ``vendor`` (Kubernetes)."""
+
+    gpus: int
+    discovery_script: str = ""
+    vendor: str = ""
+
+
+def added_executors(spark_conf: Mapping[str, str], gpus_per_executor: Optional[int],
+                    discovery_script: Optional[str] = None) -> Optional[AddedExecutors]:
+    """:class:`AddedExecutors` of a run with ``gpus_per_executor`` under dynamic allocation, else None (executors
+    have their GPUs from the start, ``spark.executor.resource.gpu.amount``, or none)."""
+    if not gpus_per_executor or not dynamic_allocation(spark_conf):
+        return None
+    vendor = "nvidia.com" if str(spark_conf.get("spark.master", "")).startswith("k8s://") else ""
+    return AddedExecutors(gpus_per_executor, discovery_script or "", vendor)
+
+
+def with_added_gpus(spark_conf: Mapping[str, str], added: Optional[AddedExecutors]) -> dict[str, str]:
+    """``spark_conf`` as the inference stage's executors have it: with ``added`` executors, their GPUs as
+    ``spark.executor.resource.gpu.amount`` (what the engine layout counts)."""
+    conf = dict(spark_conf)
+    if added is not None:
+        conf["spark.executor.resource.gpu.amount"] = str(added.gpus)
+    return conf
+
+
+#: spark.dynamicAllocation.maxExecutors when unset (Int.MaxValue): no bound the plan could spread partitions over.
+UNBOUNDED_EXECUTORS = 2**31 - 1
+
+
+def _max_executors(spark_conf: Mapping[str, str]) -> int:
+    """spark.dynamicAllocation.maxExecutors, 0 when unset or unbounded."""
+    value = int(spark_conf.get("spark.dynamicAllocation.maxExecutors", "0") or 0)
+    return 0 if value >= UNBOUNDED_EXECUTORS else value
+
+
+def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int, *,
+                       gpus_per_executor: Optional[int] = None, engines: Optional[int] = None) -> None:
     """Driver-side check of Spark's GPU settings against the engine, one clear message per mistake: the GPUs of one
     inference task are those of one engine (``tensor_parallel_size`` of them), or a share of one GPU (``1/N``, N
-    tasks feeding one engine)."""
+    tasks feeding one engine); with dynamic allocation, the inference stage's executors ask for their GPUs
+    (``gpus_per_executor``), and how many of them the plan spreads over is bounded (``engines``, or
+    ``spark.dynamicAllocation.maxExecutors``)."""
     task, executor = (_amount(spark_conf, f"spark.{k}.resource.gpu.amount") for k in ("task", "executor"))
+    if gpus_per_executor:
+        if not dynamic_allocation(spark_conf):
+            raise ConfigError(
+                "gpus_per_executor asks for GPU executors as dynamic allocation adds them, but dynamic allocation is "
+                "off (spark.dynamicAllocation.enabled is not true, or a local master): executors then have their "
+                "GPUs from the start; set spark.executor.resource.gpu.amount instead")
+        if executor or task:
+            raise ConfigError(
+                "gpus_per_executor gives the inference stage's executors their GPUs, but "
+                f"spark.{'executor' if executor else 'task'}.resource.gpu.amount is set too, which gives every "
+                "executor (or every stage) GPUs: the executors that read and validate would hold GPUs that no "
+                "engine uses. Unset it")
+        if gpus_per_executor < tensor_parallel_size:
+            raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but gpus_per_executor is "
+                              f"{gpus_per_executor}: one engine's GPUs must be on one executor")
+        if not engines and not _max_executors(spark_conf):
+            raise ConfigError(
+                "with dynamic allocation, set spark.dynamicAllocation.maxExecutors to the most GPU executors the "
+                "batch may hold (the plan spreads its partitions over their engines, and Spark adds executors as "
+                "they are needed), or num_task_slots to the engines")
+        spark_conf = with_added_gpus(spark_conf, AddedExecutors(gpus_per_executor))
+        task, executor = 0.0, float(gpus_per_executor)
+    elif executor and not task and dynamic_allocation(spark_conf):
+        raise ConfigError(
+            "spark.dynamicAllocation.enabled is true and spark.executor.resource.gpu.amount gives every executor "
+            "GPUs, so the executors that read and validate hold GPUs (and, with the requests cached on them, keep "
+            "them) while the inference stage waits for executors of its own. Set gpus_per_executor to the GPUs of "
+            "an executor instead (spark_llm asks for GPU executors on the inference stage alone) and unset "
+            "spark.executor.resource.gpu.amount; or keep it and set spark.task.resource.gpu.amount="
+            f"{tensor_parallel_size if tensor_parallel_size > 1 else '1/N (0.5 for two tasks per engine)'} so that "
+            "every stage asks for GPUs; or set spark.dynamicAllocation.enabled=false")
     if task and task != tensor_parallel_size and not (tensor_parallel_size == 1 and _shares(task)):
         raise ConfigError(
             f"spark.task.resource.gpu.amount is {spark_conf['spark.task.resource.gpu.amount']} but "
@@ -68,13 +148,6 @@ def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int) ->
     if executor and executor % tensor_parallel_size:
         log.warning("executors have %g GPUs, not a multiple of tensor_parallel_size %d: %g of them stay idle",
                     executor, tensor_parallel_size, executor % tensor_parallel_size)
-    if executor and not task and str(spark_conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true":
-        raise ConfigError(
-            "spark.dynamicAllocation.enabled is true: Spark gives a stage its own GPU share (the task resource profile "
-            "spark_llm puts on the inference stage) only with dynamic allocation off. Either set "
-            "spark.dynamicAllocation.enabled=false, or keep it on and set spark.task.resource.gpu.amount="
-            f"{tensor_parallel_size if tensor_parallel_size > 1 else '1/N (0.5 for two tasks per engine)'} so that "
-            "every stage asks for GPUs")
     cores, cpus = executor_cores(spark_conf), int(_amount(spark_conf, "spark.task.cpus") or 1)
     per_executor = int(executor // tensor_parallel_size) if executor else 0
     if per_executor and cores is not None and cores // cpus < per_executor:
@@ -202,8 +275,9 @@ def engine_layout(spark_conf: Mapping[str, str], *, engines: Optional[int], task
     task, executor = (_amount(conf, f"spark.{k}.resource.gpu.amount") for k in ("task", "executor"))
     if executor:
         per_executor = max(1, int(executor // tensor_parallel_size))
-        executors = int(conf.get("spark.executor.instances", "0") or 0) or int(
-            conf.get("spark.dynamicAllocation.maxExecutors", "0") or 0)
+        # dynamic allocation: the most executors Spark may add (spark.executor.instances is only its start)
+        executors = _max_executors(conf) if dynamic_allocation(conf) else int(
+            conf.get("spark.executor.instances", "0") or 0)
         if task:
             feeds = _shares(task) if tensor_parallel_size == 1 else 1
         else:
@@ -239,23 +313,60 @@ def config_layout(cfg: BatchConfig, spark_conf: Mapping[str, str], parallelism: 
     local = None
     if local_threads:
         local = LocalMaster(local_threads, () if has_gpus(dict(spark_conf)) else local_gpus())
+    spark_conf = with_added_gpus(spark_conf, config_added_executors(cfg, spark_conf))
     return engine_layout(spark_conf, engines=cfg.num_task_slots, tasks_per_engine=cfg.tasks_per_engine,
                          tensor_parallel_size=cfg.tensor_parallel_size, parallelism=parallelism, local=local)
 
 
-def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int, feeds: int = 1) -> Any:
-    """The ResourceProfile of the inference stage: ``tensor_parallel_size`` GPUs per task, or 1/``feeds`` of one GPU
-    (that many tasks feeding its engine), so that only that stage asks for GPUs (Spark's stage-level scheduling);
-    None when executors have no GPUs or every task already asks for them (``spark.task.resource.gpu.amount``)."""
-    if not _amount(spark_conf, "spark.executor.resource.gpu.amount") or \
-            _amount(spark_conf, "spark.task.resource.gpu.amount"):
-        return None
-    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+def config_added_executors(cfg: BatchConfig, spark_conf: Mapping[str, str]) -> Optional[AddedExecutors]:
+    """:func:`added_executors` of model ``cfg``."""
+    return added_executors(spark_conf, cfg.gpus_per_executor, cfg.gpu_discovery_script)
 
-    cpus = int(_amount(spark_conf, "spark.task.cpus") or 1)
+
+@dataclass(frozen=True)
+class InferenceResources:
+    """What the inference stage's tasks ask Spark for (:func:`inference_resources`): ``cpus`` and ``gpus`` each, and
+    on ``added`` executors (dynamic allocation)."""
+
+    cpus: int
+    gpus: float
+    added: Optional[AddedExecutors] = None
+
+
+def inference_resources(spark_conf: Mapping[str, str], tensor_parallel_size: int, feeds: int = 1,
+                        added: Optional[AddedExecutors] = None) -> Optional[InferenceResources]:
+    """The inference stage's resources: ``tensor_parallel_size`` GPUs per task, or 1/``feeds`` of one GPU (that many
+    tasks feeding its engine), so that only that stage asks for GPUs (Spark's stage-level scheduling); with
+    ``added`` executors (dynamic allocation), also the GPUs of the executors Spark adds for it, whose other
+    resources (cores, memory) are the default executor's. None when executors have no GPUs or every task already
+    asks for them (``spark.task.resource.gpu.amount``)."""
+    if added is None and (not _amount(dict(spark_conf), "spark.executor.resource.gpu.amount") or
+                          _amount(dict(spark_conf), "spark.task.resource.gpu.amount")):
+        return None
+    cpus = int(_amount(dict(spark_conf), "spark.task.cpus") or 1)
     gpus = 1.0 / feeds if tensor_parallel_size == 1 and feeds > 1 else tensor_parallel_size
-    requests = TaskResourceRequests().cpus(cpus).resource("gpu", gpus)
-    return ResourceProfileBuilder().require(requests).build
+    return InferenceResources(cpus, gpus, added)
+
+
+def resource_profile(resources: InferenceResources) -> Any:
+    """A new ResourceProfile of ``resources``. Spark tells profiles apart by their ids, not by what they ask for:
+    a run builds its profile once and gives it to every wave, or each wave would wait for executors of its own
+    while the last wave's sit idle (see :attr:`~spark_llm.context.RunContext.gpu_profile`)."""
+    from pyspark.resource import ExecutorResourceRequests, ResourceProfileBuilder, TaskResourceRequests
+
+    builder = ResourceProfileBuilder().require(TaskResourceRequests().cpus(resources.cpus)
+                                               .resource("gpu", resources.gpus))
+    added = resources.added
+    if added is not None:
+        builder.require(ExecutorResourceRequests().resource("gpu", added.gpus, added.discovery_script, added.vendor))
+    return builder.build
+
+
+def inference_profile(spark_conf: dict[str, str], tensor_parallel_size: int, feeds: int = 1,
+                      added: Optional[AddedExecutors] = None) -> Any:
+    """A ResourceProfile of :func:`inference_resources`, or None."""
+    resources = inference_resources(spark_conf, tensor_parallel_size, feeds, added)
+    return resource_profile(resources) if resources is not None else None
 
 
 def unscheduled_gpus(place: TaskPlace, host_gpus: Sequence[str]) -> Optional[str]:
