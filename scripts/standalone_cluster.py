@@ -13,6 +13,14 @@ the output and error files, and each worker's engine records (``events.jsonl``).
 
     python scripts/standalone_cluster.py --model .cache/tiny-llm --out /tmp/standalone --kill-node
 
+With ``--dynamic``, the cluster is elastic: dynamic allocation from no executor, executors without GPUs for reading
+and validation, and GPU executors that the inference stage asks for (``--gpus-per-executor``); the driver program
+(this script, :func:`drive`) runs the batch, then stays until Spark has removed the idle GPU executors and their
+engines have ended, sampling the executor count (``executors``, and the seconds from the submit to the first
+executor, to the batch's end and to every engine ended: ``first_executor_s``, ``completed_s``, ``released_s``).
+
+    python scripts/standalone_cluster.py --model .cache/tiny-llm --out /tmp/elastic --dynamic
+
 The cluster is stopped at the end, whatever happened.
 """
 
@@ -118,6 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=2, help="fake GPUs of each worker")
     p.add_argument("--kill-node", action="store_true",
                    help="kill one worker daemon and its executor as an engine call holding the middle request starts")
+    p.add_argument("--dynamic", action="store_true",
+                   help="dynamic allocation: no executor at the start, GPU executors added for inference and "
+                   "removed when idle while the application still runs")
     args = p.parse_args(argv)
     import pyspark
 
@@ -132,10 +143,9 @@ def main(argv=None) -> int:
     spark_home = os.path.dirname(pyspark.__file__)
     cluster = Cluster(out, spark_home)
     try:
-        engine_dirs = cluster.start(args.workers, args.cores, args.gpus, script)
+        # elastic: a worker holds a reading executor and a GPU executor at once (2 cores each)
+        engine_dirs = cluster.start(args.workers, 2 * args.cores if args.dynamic else args.cores, args.gpus, script)
         conf = {
-            "spark.executor.resource.gpu.amount": str(args.gpus),
-            "spark.executor.resource.gpu.discoveryScript": str(script),
             "spark.executor.memory": "1g",
             "spark.task.maxFailures": "8",
             "spark.pyspark.python": sys.executable,
@@ -143,15 +153,27 @@ def main(argv=None) -> int:
             "spark.ui.showConsoleProgress": "false",
             "spark.executorEnv.VLLM_CPU_KVCACHE_SPACE": "1",
         }
+        gpu_settings: list[str] = []
+        if args.dynamic:
+            conf.update(ELASTIC, **{"spark.executor.cores": str(args.cores),
+                                    "spark.dynamicAllocation.maxExecutors": str(args.workers)})
+            gpu_settings = ["--gpus-per-executor", str(args.gpus)]
+        else:
+            conf.update({"spark.executor.resource.gpu.amount": str(args.gpus),
+                         "spark.executor.resource.gpu.discoveryScript": str(script)})
         if args.kill_node:
             conf[f"spark.executorEnv.{FAULT_ENV}"] = f"kill_node_once:{out / 'node-killed'}:r{args.requests // 2}"
         target = max(1, args.requests * 22 // (4 * args.workers * args.gpus))  # about 4 partitions per engine
+        program = [str(Path(__file__).resolve()), "--drive", str(out / "executors.jsonl"),
+                   *[a for d in engine_dirs for a in ("--engine-dir", str(d))]] if args.dynamic else \
+            [str(ROOT / "jobs" / "run_batch.py")]
         cmd = [os.path.join(spark_home, "bin", "spark-submit"), "--master", cluster.url, *delta_jars(),
                *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")],
-               str(ROOT / "jobs" / "run_batch.py"), "--model", args.model, "--input", str(out / "in.jsonl"),
+               *program, "--model", args.model, "--input", str(out / "in.jsonl"),
                "--output-dir", str(out / "results"), "--overwrite", "--batch-id", "standalone",
                "--max-model-len", "512", "--max-num-seqs", "32", "--dtype", "bfloat16", "--enforce-eager",
-               "--kv-cache-memory-bytes", str(64 << 20), "--target-tokens-per-partition", str(target)]
+               "--kv-cache-memory-bytes", str(64 << 20), "--target-tokens-per-partition", str(target), *gpu_settings]
+        submitted = time.time()
         env = {**os.environ, "SPARK_HOME": spark_home, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
                "PYSPARK_DRIVER_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
         env.pop("SPARK_LLM_ENGINE_DIR", None)  # the workers' own
@@ -164,12 +186,86 @@ def main(argv=None) -> int:
     batch = json.loads((results / "batch.json").read_text()) if (results / "batch.json").exists() else {}
     lines = {kind: [json.loads(line)["custom_id"] for line in (results / f"{kind}.jsonl").read_text().splitlines()]
              if (results / f"{kind}.jsonl").exists() else [] for kind in ("output", "errors")}
-    print(json.dumps({"exit_code": code, "request_counts": batch.get("request_counts"), "status": batch.get("status"),
-                      "finalizing_at": batch.get("finalizing_at"), "engines_ended": ended,
-                      "output_ids": lines["output"], "error_ids": lines["errors"],
-                      "node_killed": (out / "node-killed").exists(),
-                      "events": {str(d.parent.name): read_events(d) for d in engine_dirs}}))
+    got = {"exit_code": code, "request_counts": batch.get("request_counts"), "status": batch.get("status"),
+           "finalizing_at": batch.get("finalizing_at"), "engines_ended": ended,
+           "output_ids": lines["output"], "error_ids": lines["errors"],
+           "node_killed": (out / "node-killed").exists(),
+           "events": {str(d.parent.name): read_events(d) for d in engine_dirs}}
+    if args.dynamic:
+        got.update(elastic_timeline(out / "executors.jsonl", submitted))
+    print(json.dumps(got))
     return 0
+
+
+#: Dynamic allocation as the elastic drill runs it: from no executor, idle executors removed after 5 s (Spark's
+#: default is 60 s), shuffle files tracked on the executors instead of an external shuffle service.
+ELASTIC = {
+    "spark.dynamicAllocation.enabled": "true",
+    "spark.dynamicAllocation.shuffleTracking.enabled": "true",
+    "spark.dynamicAllocation.minExecutors": "0",
+    "spark.dynamicAllocation.initialExecutors": "0",
+    "spark.dynamicAllocation.executorIdleTimeout": "5s",
+}
+
+
+def drive(record: Path, engine_dirs: list[Path], run_args: list[str]) -> int:
+    """spark-submit's program in the elastic drill: the batch (``run_args``, as jobs/run_batch.py takes them), then
+    the application stays until Spark has removed the idle GPU executors and their engines have ended; the executor
+    count is sampled twice a second into ``record`` (JSON lines: time, executors; the batch's end, ``done``; the
+    engines' end, ``engines_ended``)."""
+    import threading
+
+    from pyspark import SparkContext
+
+    from spark_llm.cli import add_run_arguments, run_from_args
+
+    stop = threading.Event()
+    count = {"executors": -1}
+
+    def note(**fields) -> None:
+        with open(record, "a") as f:
+            f.write(json.dumps({"time": time.time(), **fields}) + "\n")
+
+    def sample() -> None:
+        while not stop.wait(0.5):
+            sc = SparkContext._active_spark_context
+            jsc = getattr(sc, "_jsc", None)  # set once the context has started
+            if jsc is not None:
+                count["executors"] = jsc.sc().getExecutorIds().size()
+                note(executors=count["executors"])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    parser = argparse.ArgumentParser(prog="standalone_cluster.py --drive")
+    add_run_arguments(parser)
+    code = run_from_args(parser.parse_args(run_args))
+    sc = SparkContext._active_spark_context
+    note(done=code, cached=[str(i.name()) for i in sc._jsc.sc().getRDDStorageInfo()])
+    # the GPU executors go after spark.dynamicAllocation.executorIdleTimeout, and their engines with them; the
+    # reading executors hold Delta's cached table states (cachedExecutorIdleTimeout: unbounded by default)
+    ended = engines_ended(engine_dirs, timeout=120)
+    time.sleep(1)  # a sample of the executors after the last engine's end
+    note(engines_ended=ended, executors_left=count["executors"])
+    stop.set()
+    sampler.join()
+    return code
+
+
+def elastic_timeline(record: Path, submitted: float) -> dict:
+    """What :func:`drive` recorded: the executor counts sampled, what stayed cached, and the seconds from the submit
+    to the first executor, to the batch's end and to the GPU executors' engines all ended (None where it did not
+    happen)."""
+    notes = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    counts = [n for n in notes if "executors" in n]
+    done = next((n for n in notes if "done" in n), {})
+    end = next((n for n in notes if "engines_ended" in n), {})
+    first = next((n["time"] for n in counts if n["executors"] > 0), None)
+    since = lambda t: round(t - submitted, 1) if t is not None else None  # noqa: E731
+    return {"executors": [n["executors"] for n in counts], "cached": done.get("cached"),
+            "first_executor_s": since(first), "completed_s": since(done.get("time")),
+            "released_s": since(end.get("time")) if end.get("engines_ended") else None,
+            "engines_ended_in_app": bool(end.get("engines_ended")), "executors_left": end.get("executors_left"),
+            "app_ending_at": end.get("time")}
 
 
 def engines_ended(engine_dirs: list[Path], timeout: float = 60.0) -> bool:
@@ -188,4 +284,10 @@ def engines_ended(engine_dirs: list[Path], timeout: float = 60.0) -> bool:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--drive":  # spark-submit's program in the elastic drill
+        driver = argparse.ArgumentParser(allow_abbrev=False)
+        driver.add_argument("--drive", type=Path)
+        driver.add_argument("--engine-dir", type=Path, action="append", default=[])
+        known, rest = driver.parse_known_args()
+        sys.exit(drive(known.drive, known.engine_dir, rest))
     sys.exit(main())

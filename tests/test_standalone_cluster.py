@@ -62,3 +62,41 @@ def test_every_engine_ended_with_its_executor_the_killed_worker_s_while_the_batc
         assert all(e["reason"].startswith("executor gone") for e in stops[worker]), (worker, events)
     during = [w for w, ended in stops.items() if any(e["time"] < cluster["finalizing_at"] for e in ended)]
     assert len(during) == 1, (cluster["finalizing_at"], stops)
+
+
+@pytest.fixture(scope="module")
+def elastic(tiny_model, tmp_path_factory) -> dict:
+    """The same cluster with dynamic allocation: no executor at the start, GPU executors added for inference
+    (gpus_per_executor) and removed when idle while the application still runs."""
+    out = tmp_path_factory.mktemp("elastic")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "standalone_cluster.py"), "--model", tiny_model,
+                           "--out", str(out), "--requests", str(REQUESTS), "--gpus", str(GPUS), "--dynamic"],
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got["driver_log"] = (out / "driver.log").read_text(errors="replace")
+    return got
+
+
+def test_with_dynamic_allocation_a_batch_from_no_executor_gets_gpu_executors_and_answers_every_line_once(elastic):
+    assert elastic["exit_code"] == 0 and elastic["status"] == "completed", elastic["driver_log"][-3000:]
+    assert sorted(elastic["output_ids"]) == sorted(f"r{i}" for i in range(REQUESTS)) and elastic["error_ids"] == []
+    assert elastic["executors"][0] == 0 and max(elastic["executors"]) >= 2, elastic["executors"]
+    for worker, events in elastic["events"].items():  # each worker's GPU executor ran an engine per GPU
+        assert sorted(e["slot"] for e in events if e["event"] == "ready") == [f"gpu-{i}" for i in range(GPUS)], \
+            (worker, events)
+    assert "engines ready on" not in elastic["driver_log"]  # no warm-up job asking Spark for every executor at once
+
+
+def test_idle_gpu_executors_and_their_engines_go_while_the_application_still_runs(elastic):
+    """Two reading executors and two GPU executors (one per worker) at the most; the GPU executors removed when idle,
+    their engines ending with them, while the driver still runs. The reading executors stay: Delta's cached table
+    states are theirs (docs/gpu.md: cachedExecutorIdleTimeout)."""
+    assert elastic["engines_ended_in_app"], elastic["executors"]
+    assert max(elastic["executors"]) == 4 and elastic["executors_left"] <= 2, elastic["executors"]
+    for worker, events in elastic["events"].items():
+        stops = [e for e in events if e["event"] == "stop"]
+        assert {e["pid"] for e in stops} == {e["pid"] for e in events if e["event"] == "start"}, (worker, events)
+        assert all(e["reason"].startswith("executor gone") and e["time"] < elastic["app_ending_at"] for e in stops)
+    print(f"elastic: first executor {elastic['first_executor_s']} s, completed {elastic['completed_s']} s, "
+          f"GPU executors and engines gone {elastic['released_s']} s after the submit")
