@@ -284,9 +284,10 @@ def test_an_engine_s_caches_go_to_directories_of_our_own_when_home_is_not_writab
     monkeypatch.setattr(engine_client.subprocess, "Popen", Popen)
     monkeypatch.setattr(engine_client, "home_writable", lambda env: env.get("HOME") != "/nonexistent")
     spec = EngineSpec.from_config(BatchConfig(model="/m", max_model_len=64))
-    for home_dir in ("/nonexistent", str(home)):
+    # a slot each: the first's record names the fake pid, which a live process may hold (then it is "starting")
+    for n, home_dir in enumerate(("/nonexistent", str(home))):
         environ = {"HOME": home_dir, "PATH": os.environ["PATH"]}
-        prestart_slots(spec, ProcessSettings(0, "WARNING"), [Slot("cpu-1-0", ())], Executor(os.getpid(), environ))
+        prestart_slots(spec, ProcessSettings(0, "WARNING"), [Slot(f"cpu-1-{n}", ())], Executor(os.getpid(), environ))
     unwritable, writable = spawned
     cache = tmp_path / "engines" / "cache"
     assert unwritable["XDG_CACHE_HOME"] == str(cache / "xdg-cache") and (cache / "triton").is_dir()
