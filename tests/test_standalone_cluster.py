@@ -18,16 +18,20 @@ pytestmark = pytest.mark.engine
 REQUESTS, GPUS = 240, 2
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("standalone")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "standalone_cluster.py"), "--model", tiny_model,
-                           "--out", str(out), "--requests", str(REQUESTS), "--gpus", str(GPUS), "--kill-node"],
+def drill(model: str, out, flag: str) -> dict:
+    """scripts/standalone_cluster.py with ``flag``: what it printed, and the driver's log."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "standalone_cluster.py"), "--model", model,
+                           "--out", str(out), "--requests", str(REQUESTS), "--gpus", str(GPUS), flag],
                           capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     got["driver_log"] = (out / "driver.log").read_text(errors="replace")
     return got
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory) -> dict:
+    return drill(tiny_model, tmp_path_factory.mktemp("standalone"), "--kill-node")
 
 
 def test_every_line_exactly_once_though_a_worker_died_mid_wave(cluster):
@@ -68,14 +72,7 @@ def test_every_engine_ended_with_its_executor_the_killed_worker_s_while_the_batc
 def elastic(tiny_model, tmp_path_factory) -> dict:
     """The same cluster with dynamic allocation: no executor at the start, GPU executors added for inference
     (gpus_per_executor) and removed when idle while the application still runs."""
-    out = tmp_path_factory.mktemp("elastic")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "standalone_cluster.py"), "--model", tiny_model,
-                           "--out", str(out), "--requests", str(REQUESTS), "--gpus", str(GPUS), "--dynamic"],
-                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    got["driver_log"] = (out / "driver.log").read_text(errors="replace")
-    return got
+    return drill(tiny_model, tmp_path_factory.mktemp("elastic"), "--dynamic")
 
 
 def test_with_dynamic_allocation_a_batch_from_no_executor_gets_gpu_executors_and_answers_every_line_once(elastic):

@@ -39,7 +39,7 @@ def select_gpus(task_resources: dict[str, Any] | None, tensor_parallel_size: int
     return addresses
 
 
-def _amount(spark_conf: dict[str, str], key: str) -> float:
+def _amount(spark_conf: Mapping[str, str], key: str) -> float:
     try:
         return float(spark_conf.get(key) or 0)
     except ValueError:
@@ -340,10 +340,10 @@ def inference_resources(spark_conf: Mapping[str, str], tensor_parallel_size: int
     ``added`` executors (dynamic allocation), also the GPUs of the executors Spark adds for it, whose other
     resources (cores, memory) are the default executor's. None when executors have no GPUs or every task already
     asks for them (``spark.task.resource.gpu.amount``)."""
-    if added is None and (not _amount(dict(spark_conf), "spark.executor.resource.gpu.amount") or
-                          _amount(dict(spark_conf), "spark.task.resource.gpu.amount")):
+    if added is None and (not _amount(spark_conf, "spark.executor.resource.gpu.amount") or
+                          _amount(spark_conf, "spark.task.resource.gpu.amount")):
         return None
-    cpus = int(_amount(dict(spark_conf), "spark.task.cpus") or 1)
+    cpus = int(_amount(spark_conf, "spark.task.cpus") or 1)
     gpus = 1.0 / feeds if tensor_parallel_size == 1 and feeds > 1 else tensor_parallel_size
     return InferenceResources(cpus, gpus, added)
 
