@@ -302,6 +302,14 @@ class BatchConfig(BaseModel):
         "<engine dir>/<slot>.log, not to the executor logs. INFO shows vLLM's configuration dumps and kernel "
         "choices.",
         json_schema_extra=group("model and engine"))
+    engine_standin: Optional[str] = Field(
+        None, description="Answer every request with the engine stand-in instead of vLLM, for measuring the job's "
+        "own costs at GPU speed: deterministic answers of max_tokens tokens after the time a rate model gives, "
+        "marked as simulated in the outputs' notes and the report. A profile (h200-8b, h100-8b, l4-8b, free), "
+        "optionally with changed rates: 'h200-8b,start_seconds=0,max_num_seqs=256' (fields "
+        "prefill_tokens_per_second, decode_tokens_per_second, max_num_seqs, start_seconds). See "
+        "spark_llm/engine_host/standin.py.",
+        json_schema_extra=engine("model and engine", vllm=None))
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments passed verbatim to vllm.LLM (e.g. "
         "quantization, swap_space). Takes precedence over the fields above.",
@@ -435,6 +443,15 @@ class BatchConfig(BaseModel):
         if unknown:
             raise ValueError(f"{', '.join(unknown)} is no OpenAI moderation category; the categories are "
                              f"{', '.join(CATEGORIES)} (\"\" leaves a label out)")
+        return v
+
+    @field_validator("engine_standin")
+    @classmethod
+    def _standin(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            from .engine_host.standin import parse_rates
+
+            parse_rates(v)
         return v
 
     @model_validator(mode="after")

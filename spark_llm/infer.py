@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The ``system_fingerprint`` of an answer of the engine stand-in, before its profile's name.
+STANDIN_FINGERPRINT = "spark-llm-standin:"
+
 
 @dataclass(frozen=True)
 class InferContext:
@@ -74,6 +77,11 @@ class InferContext:
                    classes=moderations.classes(labels, cfg.moderation_labels, cfg.moderation_threshold))
 
     @property
+    def simulated(self) -> Optional[str]:
+        """The engine stand-in answering this model's requests (``engine_standin``), or None for vLLM."""
+        return self.engine.settings.get("engine_standin") or None
+
+    @property
     def request_seeds(self) -> Optional[int]:
         """The batch's seed when sampled requests get seeds of their own (``sampling_seeds: request``), else None."""
         settings = self.engine.settings
@@ -105,7 +113,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     def answer(i: int, outputs: list) -> None:
         rows[i]["model"] = options[i].get("adapter") or ctx.served_model_name
         _answer(rows[i], outputs, kinds[i], Reply(rows[i]["request_id"], rows[i]["model"], int(time.time()),
-                                                  options[i], ctx.classes))
+                                                  options[i], ctx.classes), ctx.simulated)
     for i, failure in unreadable.items():  # an image gone or changed since its tokens were counted
         answer(i, [failure])
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
@@ -243,8 +251,10 @@ def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy, batch_se
     return requests, owner, unreadable
 
 
-def _answer(row: dict, outputs: list, kind: str, reply: Reply) -> None:
-    """Fill a result row from its engine outputs: the endpoint's response body, or the first failure's error."""
+def _answer(row: dict, outputs: list, kind: str, reply: Reply, simulated: Optional[str] = None) -> None:
+    """Fill a result row from its engine outputs: the endpoint's response body, or the first failure's error. An
+    answer of the engine stand-in (``simulated``: its setting) says so in the row's notes and, where the response
+    has one, its ``system_fingerprint``."""
     failure = next((o for o in outputs if isinstance(o, RequestFailure)), None)
     if failure is not None:
         if failure.code is not None:  # a bad image
@@ -256,6 +266,11 @@ def _answer(row: dict, outputs: list, kind: str, reply: Reply) -> None:
             row.update(error_code=ErrorCode.ENGINE_ERROR.value, error_message=truncate(failure.message, 1000))
         return
     answer = BY_KIND[kind].respond(outputs, reply)
+    if simulated:
+        if "system_fingerprint" in answer.body:
+            answer.body["system_fingerprint"] = f"{STANDIN_FINGERPRINT}{simulated.split(',')[0]}"
+        note = f"simulated answer of the engine stand-in {simulated!r}, not of a model"
+        row["notes"] = f"{note}; {row['notes']}" if row["notes"] else note
     row.update(
         text=answer.text, finish_reason=answer.finish_reason, created=reply.created,
         tool_calls=json.dumps(answer.tool_calls, ensure_ascii=False) if answer.tool_calls else None,

@@ -15,6 +15,7 @@ from pyspark.sql import functions as F
 from . import report_html, storage, write
 from .background import SparkJobInBackground
 from .batch import BatchError, BatchErrors, BatchObject, BatchResult, Tally
+from .config import BatchConfig
 from .context import RunContext
 from .metrics import engine_usage
 
@@ -125,7 +126,7 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
         batch = BatchObject.completed(run, tables.tally, tables.unattributed, tables.endpoint, plan,
                                       outcome.in_progress_at)
         report = report_html.render(batch.model_dump(), records, tables.histogram, tables.errors_by_code,
-                                    time.time() - run.started)
+                                    time.time() - run.started, simulated=simulated(run.cfg))
     finally:
         if usage is not None:
             usage.thread.join()
@@ -137,6 +138,12 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
     result = BatchResult(batch=batch, paths=run.paths, skipped=outcome.skipped)
     log.debug("%s", result.summary())  # the command prints it; a notebook has result.summary()
     return result
+
+
+def simulated(cfg: BatchConfig) -> Optional[str]:
+    """The engine stand-ins that answered a batch's requests (its models'), or None when vLLM did."""
+    names = [m for m in (cfg.engine_standin, *(getattr(e, "engine_standin", None) for e in cfg.models)) if m]
+    return ", ".join(dict.fromkeys(names)) or None
 
 
 def batch_records(run: RunContext) -> list[dict]:

@@ -192,9 +192,9 @@ def _model_rows(metrics: list[dict]) -> list[tuple]:
 
 
 def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], errors_by_code: dict[str, int],
-           wall_seconds: float) -> str:
+           wall_seconds: float, simulated: Optional[str] = None) -> str:
     """The report as one HTML string, from the batch object (as a dict), one metrics record per partition, the
-    prompt-length histogram and the error counts."""
+    prompt-length histogram and the error counts; ``simulated``: the engine stand-in that gave the answers."""
     plan = batch.get("partition_plan") or {}
     counts, usage = batch["request_counts"], batch["usage"]
     inference_wall = plan.get("inference_wall_seconds")
@@ -234,10 +234,19 @@ def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], e
 <style>body{{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}}
 table{{border-collapse:collapse;margin-bottom:1em}}th,td{{border:1px solid #ccc;padding:4px 10px;text-align:left}}
 th{{background:#f4f4f4}}figure{{margin:0}}svg{{max-width:100%;height:auto}}</style></head><body>
-<h1>Batch {html.escape(batch['id'])}</h1><p>Started {created}.</p>
+<h1>Batch {html.escape(batch['id'])}</h1><p>Started {created}.</p>{_simulated_banner(simulated)}
 <h2>Summary</h2><table>{summary}</table>
 {models}<h2>Errors by code</h2><table><tr><th>code</th><th>count</th></tr>{errors}</table>
 {figures}
 <script type="application/json" id="batch">{html.escape(json.dumps(batch))}</script>
 </body></html>
 """
+
+
+def _simulated_banner(simulated: Optional[str]) -> str:
+    """What a report of a batch that the engine stand-in answered says first."""
+    if not simulated:
+        return ""
+    return (f'<p id="simulated" style="background:#fff3cd;padding:8px"><strong>Simulated:</strong> the engine '
+            f'stand-in {html.escape(simulated)} answered every request (engine_standin); the answers are '
+            f'not a model\'s, the timings are the job\'s own at the stand-in\'s rates.</p>')

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import re
+import sys
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -69,11 +70,9 @@ def is_fatal(exc: BaseException) -> bool:
         return True
     if isinstance(exc, RuntimeError) and text.strip() in DEAD_EXECUTOR_ERRORS:
         return True
-    try:
-        from vllm.v1.engine.exceptions import EngineDeadError
-    except ImportError:  # pragma: no cover - other vLLM layouts
-        return False
-    return isinstance(exc, EngineDeadError)
+    # an EngineDeadError exists only where its module was imported: no import of vLLM here (the engine stand-in)
+    exceptions = sys.modules.get("vllm.v1.engine.exceptions")
+    return exceptions is not None and isinstance(exc, getattr(exceptions, "EngineDeadError", ()))
 
 
 def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence, params: Sequence,

@@ -141,6 +141,8 @@ class EngineServer:
         self.slot, self.key, self.watch_pid, self.idle_timeout = slot, key, watch_pid, idle_timeout
         self.engine: Any = None
         self.parsers: Any = None
+        #: a request's prompt and settings for the engine: vLLM's (:func:`engine_inputs`) or the stand-in's
+        self.inputs: Any = engine_inputs
         self.runner = "generate"  #: vLLM's runner: generate, or pooling (whole calls; EngineTask.runner)
         self.adapters: dict[Optional[str], Any] = {}  #: adapter name -> vLLM LoRARequest (None: the base model)
         #: what the connection and watch threads hand the engine loop: ("take", stream, chunk), ("call", stream,
@@ -479,7 +481,7 @@ class EngineServer:
         if request.task.runner != self.runner:
             return RequestFailure("invalid", f"this engine runs vLLM's {self.runner} runner, which does not do "
                                              f"{request.task.value}")
-        return engine_inputs(request)
+        return self.inputs(request)
 
     def _result(self, out: Any, request: EngineRequest) -> "Output | RequestFailure":
         """A finished vLLM output as what crosses the socket, its answers parsed as the request asks."""
@@ -719,12 +721,14 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
     launcher, t0 = None, time.monotonic()
     settings = json.loads(Path(args.spec_file).read_text())
+    standin = bool(settings.get("engine_standin"))  # no vLLM, torch or tokenizer to import (standin.py)
     if len(args.slot) > 1:
         if args.devices:
             p.error("several slots share a process only without devices")
         log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
-        with tokenizer_class_decided(settings):  # its modules, imported here, serve the engines' tokenizers too
-            import_engine(ENGINE_MODULES)
+        if not standin:
+            with tokenizer_class_decided(settings):  # its modules, imported here, serve the engines' tokenizers too
+                import_engine(ENGINE_MODULES)
         slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
     else:
         slot = Slot(args.slot[0], tuple(d for d in args.devices.split(",") if d))
@@ -748,22 +752,29 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
 
     if launcher is None:
         t0 = time.monotonic()
-        with tokenizer_class_decided(settings):
-            import_engine()
-    from ..endpoints.engine_side import Parsers
-
+        if not standin:
+            with tokenizer_class_decided(settings):
+                import_engine()
     spec = seeded_for(EngineSpec(settings=settings), slot.name)
     began = time.time()
 
     def copying(seconds: Optional[float]) -> None:  # for the start's time limit, which leaves the copy out
         write_private(slot.path(SlotFile.COPY), {"pid": os.getpid(), "began_at": began, "seconds": seconds})
     try:
-        server.engine = build_engine(spec, copying)
+        if standin:
+            from . import standin as stand_in
+
+            server.engine, server.inputs, server.parsers = stand_in.build_standin(spec.settings), \
+                stand_in.engine_inputs, stand_in.Parsers()
+        else:
+            from ..endpoints.engine_side import Parsers
+
+            server.engine = build_engine(spec, copying)
+            server.adapters = lora_requests(spec.settings.get("lora_modules") or {})
+            server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
+                                     spec.settings.get("reasoning_parser"))
         server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs
         server.runner = "pooling" if spec.settings.get("runner") == "pooling" else "generate"
-        server.adapters = lora_requests(spec.settings.get("lora_modules") or {})
-        server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
-                                 spec.settings.get("reasoning_parser"))
     except EngineStartError as exc:
         log.error("engine for slot %s could not start: %s", slot.name, exc)
         could_not_start(slot, args, str(exc))

@@ -1,0 +1,341 @@
+"""The engine stand-in: answers like a vLLM engine at the speed of a GPU, for measuring the job's own costs.
+
+On this project's CPU machines vLLM is always the slowest part of a batch, so what the job itself costs (reading,
+validating, counting tokens, partitioning, committing, writing) is never seen at the speed of a GPU. Selected by the
+``engine_standin`` setting (never by default), the engine server builds a :class:`StandInLLM` instead of a
+``vllm.LLM``: the same server, protocol, streaming, priorities and isolation feed it, and it answers each request
+with deterministic tokens of the requested length (``max_tokens``) after the time its :class:`Rates` give, sleeping
+rather than computing, so it costs almost no CPU. No vLLM or torch is imported.
+
+**The rate model** (:class:`Scheduler`, pure: a virtual clock, no sleeping): up to ``max_num_seqs`` sequences run at
+once, as in vLLM's continuous batching. A decode step makes one token of every running sequence and takes
+``max_num_seqs / decode_tokens_per_second`` whatever the batch's size (decoding is bound by reading the weights,
+once per step), so a full batch makes ``decode_tokens_per_second``; a request's prompt costs
+``prompt tokens / prefill_tokens_per_second`` in the step that admits it, its first token included. A pooling call
+(embeddings, classification) costs its prompts' tokens at the prefill rate. The engine takes ``start_seconds`` to
+load.
+
+**Faults**, for the fault tests at scale: a generation request whose ``stop`` list holds :data:`FAIL_MARKER` makes
+the step that admits it raise (the server's isolation finds it: one ``engine_error`` row); one holding
+:data:`DIE_MARKER` kills the engine as a dead tensor-parallel worker would (``Executor failed.``: the engine is rebuilt
+and the request set aside).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any, Optional, Sequence
+
+from ..errors import EngineStartError
+from .protocol import EngineRequest, Parse, RequestFailure
+
+
+@dataclass(frozen=True)
+class Rates:
+    """How fast a stand-in engine is (see the module docs for the model)."""
+
+    prefill_tokens_per_second: float
+    decode_tokens_per_second: float  #: generated tokens per second of the whole engine with a full batch
+    max_num_seqs: int                #: sequences decoded at once
+    start_seconds: float = 0.0       #: the engine's load
+
+    @property
+    def step_seconds(self) -> float:
+        return self.max_num_seqs / self.decode_tokens_per_second
+
+
+#: Named rates, after a GPU class and model size: an 8B model in bf16 with vLLM's offline defaults (1024 sequences on
+#: an H100 or H200), decode rates after MLPerf Inference's Llama-3.1-8B offline results (5,777 tokens/s on one
+#: H100 with vLLM), prefill at about half of the GPU's dense bf16 peak. ``free`` costs nothing: the job's own ceiling.
+PROFILES = {
+    "h200-8b": Rates(prefill_tokens_per_second=30_000, decode_tokens_per_second=8_000, max_num_seqs=1024,
+                     start_seconds=60),
+    "h100-8b": Rates(prefill_tokens_per_second=20_000, decode_tokens_per_second=5_800, max_num_seqs=1024,
+                     start_seconds=60),
+    "l4-8b": Rates(prefill_tokens_per_second=4_000, decode_tokens_per_second=900, max_num_seqs=256,
+                   start_seconds=90),
+    "free": Rates(prefill_tokens_per_second=math.inf, decode_tokens_per_second=math.inf, max_num_seqs=1024,
+                  start_seconds=0),
+}
+
+#: A generation request whose ``stop`` list holds this fails in the engine (an ``engine_error`` row).
+FAIL_MARKER = "spark-llm-standin:fail"
+#: A generation request whose ``stop`` list holds this kills the engine.
+DIE_MARKER = "spark-llm-standin:die"
+#: The longest a stand-in step sleeps: requests that arrive meanwhile join the batch at the next step, as in vLLM.
+MAX_STEP_SECONDS = 0.1
+#: The stand-in's vocabulary: its token ids index these words.
+WORDS = tuple("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
+              "quebec romeo sierra tango uniform victor whiskey xray yankee zulu one two three four five six".split())
+
+
+def parse_rates(value: str) -> Rates:
+    """The rates a setting names: a profile (:data:`PROFILES`), optionally followed by fields of :class:`Rates` to
+    change, e.g. ``h200-8b`` or ``h200-8b,start_seconds=0,max_num_seqs=256``. Raises ValueError with what is
+    allowed."""
+    name, *changes = [part.strip() for part in value.split(",")]
+    if name not in PROFILES:
+        raise ValueError(f"unknown engine stand-in {name!r}: one of {', '.join(PROFILES)}, optionally followed by "
+                         f",field=value (fields: {', '.join(Rates.__dataclass_fields__)})")
+    rates = PROFILES[name]
+    for change in changes:
+        key, _, number = change.partition("=")
+        key = key.strip()
+        if key not in Rates.__dataclass_fields__:
+            raise ValueError(f"engine stand-in {value!r}: no field {key!r} (fields: "
+                             f"{', '.join(Rates.__dataclass_fields__)})")
+        try:
+            parsed = int(number) if key == "max_num_seqs" else float(number)
+        except ValueError:
+            raise ValueError(f"engine stand-in {value!r}: {key} must be a number, not {number!r}") from None
+        if parsed < 0 or (parsed == 0 and key != "start_seconds"):
+            raise ValueError(f"engine stand-in {value!r}: {key} must be positive")
+        rates = replace(rates, **{key: parsed})
+    return rates
+
+
+# ---- the rate model --------------------------------------------------------------------------------------------
+
+@dataclass
+class Seq:
+    """A request in the stand-in: its id, prompt and answer lengths."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    payload: Any = None  #: what the engine answers it with
+
+
+@dataclass
+class Scheduler:
+    """The rate model on a virtual clock (see the module docs): :meth:`step` admits what fits, advances to the next
+    finish (at most ``max_seconds``) and says how long that took and which sequences finished."""
+
+    rates: Rates
+    max_seconds: float = MAX_STEP_SECONDS
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)  #: heap of (finish step, order, sequence)
+    steps: int = 0     #: decode steps so far
+    admitted: int = 0  #: sequences admitted so far (the heap's tie-breaker)
+
+    def add(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_ids: set[str]) -> None:
+        self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
+        self.running = [r for r in self.running if r[2].request_id not in request_ids]
+        heapq.heapify(self.running)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> tuple[float, list[Seq], list[Seq]]:
+        """Seconds this stretch takes, the sequences it admitted, and those that finished in it."""
+        prefill, admitted = 0, []
+        while self.waiting and len(self.running) < self.rates.max_num_seqs:
+            seq = self.waiting.popleft()
+            prefill += seq.prompt_tokens
+            # the prefill makes the first token; each later one takes a decode step
+            heapq.heappush(self.running, (self.steps + max(seq.output_tokens - 1, 0), self.admitted, seq))
+            self.admitted += 1
+            admitted.append(seq)
+        seconds = prefill / self.rates.prefill_tokens_per_second
+        if self.running:
+            step = self.rates.step_seconds
+            most = max(1, int(self.max_seconds / step)) if step > 0 and math.isfinite(self.max_seconds) else 1 << 62
+            ahead = max(0, min(self.running[0][0] - self.steps, most))
+            self.steps += ahead
+            seconds += ahead * step
+        finished = []
+        while self.running and self.running[0][0] <= self.steps:
+            finished.append(heapq.heappop(self.running)[2])
+        return seconds, admitted, finished
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+
+def answer_tokens(prompt: Sequence[int], seed: Any, choice: int, count: int) -> list[int]:
+    """The stand-in's answer: ``count`` token ids made of the prompt, the request's seed and the choice's index, so
+    the same request gets the same answer wherever and whenever it runs."""
+    start = hashlib.blake2b(repr((tuple(prompt[-64:]), len(prompt), seed, choice)).encode(),
+                            digest_size=4).digest()
+    first = int.from_bytes(start, "big")
+    return [(first + 7 * k) % len(WORDS) for k in range(count)]
+
+
+def decode(token_ids: Sequence[int]) -> str:
+    return " ".join(WORDS[t % len(WORDS)] for t in token_ids)
+
+
+class _Tokenizer:
+    """What the engine server asks of a tokenizer (echo's decode), in the stand-in's words."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return decode(token_ids)
+
+
+class Parsers:
+    """The stand-in's answers hold no reasoning or tool calls: nothing to parse."""
+
+    def __init__(self) -> None:
+        self.tokenizer = _Tokenizer()
+
+    def parse(self, choice: Any, parse: Parse) -> None:
+        return None
+
+
+def engine_inputs(request: EngineRequest) -> "tuple[dict, Any] | RequestFailure":
+    """The stand-in's prompt and settings of a request: its token ids and its settings as they came (no vLLM)."""
+    return {"prompt_token_ids": request.token_ids}, request.params
+
+
+def _choice(index: int, tokens: list[int], logprobs: Optional[int]) -> SimpleNamespace:
+    lps = None
+    if logprobs is not None:
+        lps = [{t: SimpleNamespace(logprob=-1.0, rank=1, decoded_token=WORDS[t])} for t in tokens]
+    return SimpleNamespace(index=index, text=decode(tokens), token_ids=tokens, finish_reason="length", logprobs=lps)
+
+
+class StandInLLM:
+    """The part of ``vllm.LLM`` the engine server uses (``enqueue``, ``llm_engine.step``, ``abort_request``, whole
+    calls of ``generate``, ``embed`` and ``classify``), answered by the rate model (see the module docs)."""
+
+    def __init__(self, rates: Rates, model_dir: Optional[str] = None, sleep: Any = time.sleep):
+        self.rates, self.sleep = rates, sleep
+        self.scheduler = Scheduler(rates)
+        self.clock = 0.0  #: when the engine's work so far ends (time.monotonic)
+        self.ids = 0
+        config = _model_config(model_dir)
+        self.hidden_size = int(config.get("hidden_size") or 8)
+        self.num_labels = max(len(config.get("id2label") or {}), 1)
+        self.llm_engine = SimpleNamespace(
+            step=self.step, abort_request=self.abort_request,
+            vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=rates.max_num_seqs)))
+        self._wait(rates.start_seconds)
+
+    def get_tokenizer(self) -> _Tokenizer:
+        return _Tokenizer()
+
+    def _wait(self, seconds: float) -> None:
+        """Take ``seconds`` of engine time after the work before it (or now, if the engine was idle)."""
+        now = time.monotonic()
+        self.clock = max(self.clock, now) + seconds
+        if self.clock > now:
+            self.sleep(self.clock - now)
+
+    # ---- the stepped engine ------------------------------------------------------------------------------
+
+    def enqueue(self, prompts: list[dict], params: list[dict], lora_request: Any = None,
+                use_tqdm: bool = False) -> list[str]:
+        ids = []
+        for prompt, p in zip(prompts, params):
+            self.ids += 1
+            rid = str(self.ids)
+            tokens = prompt["prompt_token_ids"]
+            n = int(p.get("n") or 1)
+            self.scheduler.add(Seq(rid, len(tokens), max(int(p.get("max_tokens") or 16), 1), (tokens, p, n)))
+            ids.append(f"{rid}-standin")
+        return ids
+
+    def abort_request(self, request_ids: Sequence[str], internal: bool = False) -> None:
+        self.scheduler.abort({r.split("-", 1)[0] for r in request_ids})
+
+    def step(self) -> list[SimpleNamespace]:
+        seconds, admitted, finished = self.scheduler.step()
+        for seq in admitted:
+            _, params, _ = seq.payload
+            self._check_markers(params)
+        self._wait(seconds)
+        return [self._output(seq.request_id, *seq.payload) for seq in finished]
+
+    @staticmethod
+    def _check_markers(params: dict) -> None:
+        stop = params.get("stop") or ()
+        if DIE_MARKER in stop:
+            raise RuntimeError("Executor failed.")  # what vLLM raises once a worker is gone: the engine is dead
+        if FAIL_MARKER in stop:
+            raise ValueError(f"the engine stand-in failed this request as its stop list asks ({FAIL_MARKER})")
+
+    def _output(self, rid: str, tokens: list[int], params: dict, n: int) -> SimpleNamespace:
+        count = max(int(params.get("max_tokens") or 16), 1)
+        choices = [_choice(k, answer_tokens(tokens, params.get("seed"), k, count), params.get("logprobs"))
+                   for k in range(n)]
+        return SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=tokens, num_cached_tokens=0,
+                               outputs=choices)
+
+    # ---- whole calls (the isolating path, pooling engines) -----------------------------------------------
+
+    def generate(self, prompts: list[dict], params: list[dict], lora_request: Any = None,
+                 use_tqdm: bool = False) -> list[SimpleNamespace]:
+        for p in params:
+            self._check_markers(p)
+        scheduler = Scheduler(self.rates, max_seconds=math.inf)
+        for k, (prompt, p) in enumerate(zip(prompts, params)):
+            scheduler.add(Seq(str(k), len(prompt["prompt_token_ids"]), max(int(p.get("max_tokens") or 16), 1)))
+        seconds = 0.0
+        while scheduler.busy:
+            seconds += scheduler.step()[0]
+        self._wait(seconds)
+        return [self._output(str(k), prompt["prompt_token_ids"], p, int(p.get("n") or 1))
+                for k, (prompt, p) in enumerate(zip(prompts, params))]
+
+    def _pooled(self, prompts: list[dict]) -> None:
+        self._wait(sum(len(p["prompt_token_ids"]) for p in prompts) / self.rates.prefill_tokens_per_second)
+
+    def embed(self, prompts: list[dict], pooling_params: list[dict], lora_request: Any = None,
+              use_tqdm: bool = False) -> list[SimpleNamespace]:
+        self._pooled(prompts)
+        outs = []
+        for prompt, p in zip(prompts, pooling_params):
+            size = int(p.get("dimensions") or self.hidden_size)
+            tokens = answer_tokens(prompt["prompt_token_ids"], None, 0, size)
+            vector = [t / len(WORDS) - 0.5 for t in tokens]
+            norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+            outs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], num_cached_tokens=0,
+                                        outputs=SimpleNamespace(embedding=[x / norm for x in vector])))
+        return outs
+
+    def classify(self, prompts: list[dict], pooling_params: list[dict], lora_request: Any = None,
+                 use_tqdm: bool = False) -> list[SimpleNamespace]:
+        self._pooled(prompts)
+        outs = []
+        for prompt in prompts:
+            weights = [t + 1 for t in answer_tokens(prompt["prompt_token_ids"], None, 0, self.num_labels)]
+            total = sum(weights)
+            outs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], num_cached_tokens=0,
+                                        outputs=SimpleNamespace(probs=[w / total for w in weights])))
+        return outs
+
+
+def _model_config(model_dir: Optional[str]) -> dict:
+    """The model directory's config.json (sizes of embeddings and classes), or nothing."""
+    if not model_dir:
+        return {}
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def build_standin(settings: dict) -> StandInLLM:
+    """The stand-in engine of an engine's settings (its ``engine_standin`` names the rates)."""
+    try:
+        rates = parse_rates(settings["engine_standin"])
+    except ValueError as exc:
+        raise EngineStartError(str(exc)) from None
+    model = settings.get("model")
+    return StandInLLM(rates, model if isinstance(model, str) and os.path.isdir(model) else None)
+
+
+__all__ = ["DIE_MARKER", "FAIL_MARKER", "PROFILES", "Parsers", "Rates", "Scheduler", "StandInLLM", "build_standin",
+           "engine_inputs", "parse_rates"]
