@@ -11,6 +11,16 @@ bytes, broken JSON, every envelope and body mistake, duplicates, a 5 MB prompt; 
 also prints whether every non-blank line ended as exactly one output or error row (``accounted``).
 
     python scripts/bench_scale.py --sizes 1000,10000,100000 [--hostile-fraction 0.1]
+
+With ``--engine-standin`` the engines are the stand-in (spark_llm/engine_host/standin.py: answers at a GPU's rates,
+no vLLM), so the job's own costs show at GPU speed; ``--mix`` generates chat, completions, Responses and embeddings
+lines of 5 to 400 words. Each size then also prints the seconds of each stage (read, validate and count tokens;
+inference and commits; output files and report) and the engines' busy fraction, and the last lines are
+``lines_per_second=``, ``per_core=`` (lines a second per core of the Spark master), ``driver_peak_mb=`` (Python +
+JVM driver) and ``busy_fraction=`` of the largest size:
+
+    python scripts/bench_scale.py --sizes 100000,1000000 --mix --hostile-fraction 0.01 --engine-standin free
+    python scripts/bench_scale.py --sizes 100000 --mix --engine-standin h200-8b,start_seconds=0 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -27,6 +37,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _make_tiny_model(*args: str) -> None:
+    import subprocess
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), *args], check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 def _jvm_peak_mb(spark) -> float:
@@ -75,6 +92,57 @@ def accounted(spark, result, nonblank: int) -> str:
     return "yes" if r["rows"] == r["lines"] == nonblank else f"NO ({r['rows']} rows, {r['lines']} lines, {nonblank})"
 
 
+#: The ``--mix`` of endpoints, by share of the lines.
+MIX = (("/v1/chat/completions", 0.55), ("/v1/completions", 0.2), ("/v1/responses", 0.15), ("/v1/embeddings", 0.1))
+
+
+def iter_mixed(n: int, seed: int, model: str, embed_model: str, max_tokens: int):
+    """``n`` lines of :data:`MIX`'s endpoints, prompts of 5 to 400 words (most short), one at a time."""
+    import random
+
+    from bench_overhead import WORDS
+
+    rng = random.Random(seed)
+    urls, weights = zip(*MIX)
+    for i in range(n):
+        url = rng.choices(urls, weights)[0]
+        text = " ".join(rng.choices(WORDS, k=min(400, int(rng.paretovariate(1.2) * 5))))
+        if url == "/v1/chat/completions":
+            body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+        elif url == "/v1/completions":
+            body = {"model": model, "prompt": text, "max_tokens": max_tokens}
+        elif url == "/v1/responses":
+            body = {"model": model, "input": text, "max_output_tokens": max(max_tokens, 16)}
+        else:
+            body = {"model": embed_model, "input": text}
+        yield {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}
+
+
+class StageClock:
+    """A run listener that notes when the run's stages end (see spark_llm.context.RunListener)."""
+
+    def __init__(self) -> None:
+        from spark_llm.context import RunListener
+
+        self.t0, self.marks = time.monotonic(), {}
+        clock = self
+
+        class Listener(RunListener):
+            def validated(self, total: int, invalid: int, answered: int) -> None:
+                clock.marks["read, validate, tokens"] = time.monotonic()
+
+            def finalizing(self) -> None:
+                clock.marks["inference and commits"] = time.monotonic()
+        self.listener = Listener()
+
+    def stages(self, end: float) -> dict[str, float]:
+        marks = {**self.marks, "output files and report": end}
+        out, before = {}, self.t0
+        for name, at in marks.items():
+            out[name], before = at - before, at
+        return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1000,10000,100000")
@@ -84,6 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--target-tokens-per-partition", type=int, default=500_000)
     p.add_argument("--hostile-fraction", type=float, default=0.0)
+    p.add_argument("--engine-standin", default=None, help="the engine stand-in's rates (engine_standin), e.g. free "
+                   "or h200-8b,start_seconds=0: no vLLM")
+    p.add_argument("--mix", action="store_true", help="chat, completions, Responses and embeddings lines")
     args = p.parse_args(argv)
     from spark_llm.engine_host import apply_worker_env
     from spark_llm.session import LOCAL_ENV
@@ -93,36 +164,56 @@ def main(argv=None) -> int:
         os.environ.setdefault(key, value)
 
     from bench_overhead import iter_requests
-    from spark_llm import BatchConfig, run_batch
+    from spark_llm import BatchConfig
+    from spark_llm.pipeline import run_batch
     from spark_llm.session import get_session
 
     work = Path(tempfile.mkdtemp(prefix="bench_scale."))
     model = args.model
+    # the models are built by processes of their own: torch's memory is not the driver's peak
     if model is None:
-        from make_tiny_model import build_model
-
-        model = str(build_model(work / "tiny-llm"))
+        model = str(work / "tiny-llm")
+        _make_tiny_model("--out", model)
+    embed_model = None
+    if args.mix:
+        embed_model = str(work / "tiny-embed")
+        _make_tiny_model("--out", embed_model, "--kind", "embedding", "--base", model)
     spark = get_session(master=args.master, conf={"spark.ui.enabled": "false"})
+    cores = spark.sparkContext.defaultParallelism
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     for n in sizes:
         path = work / f"in-{n}.jsonl"
-        nonblank = write_input(path, iter_requests(n, n, Path(model).name, args.max_tokens), args.hostile_fraction)
+        lines = (iter_mixed(n, n, Path(model).name, "tiny-embed", args.max_tokens) if args.mix
+                 else iter_requests(n, n, Path(model).name, args.max_tokens))
+        nonblank = write_input(path, lines, args.hostile_fraction)
+        extra = [{"name": "tiny-embed", "path": embed_model, "kind": "embed"}] if embed_model else []
         cfg = BatchConfig(input=str(path), output_dir=str(work / f"out-{n}"), model=model, dtype="bfloat16",
                           max_num_seqs=args.max_num_seqs, max_model_len=2048, enforce_eager=True,
-                          target_tokens_per_partition=args.target_tokens_per_partition, batch_id=f"scale-{n}")
-        t0 = time.monotonic()
-        result = run_batch(spark, cfg)
-        secs = time.monotonic() - t0
+                          target_tokens_per_partition=args.target_tokens_per_partition, batch_id=f"scale-{n}",
+                          engine_standin=args.engine_standin, models=extra)
+        clock = StageClock()
+        result = run_batch(spark, cfg, clock.listener)
+        end = time.monotonic()
+        secs = end - clock.t0
         py_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        rows.append((n, secs, result.completed, py_mb, _jvm_peak_mb(spark), accounted(spark, result, nonblank)))
+        busy = (result.batch.partition_plan or {}).get("busy_fraction")
+        rows.append((n, secs, result.completed, py_mb, _jvm_peak_mb(spark), accounted(spark, result, nonblank),
+                     clock.stages(end), busy))
     spark.stop()
     print(f"{'lines':>9}{'seconds':>9}{'s/1k req':>10}{'completed':>11}{'py driver MB':>14}{'JVM driver MB':>15}"
-          f"  accounted")
-    for n, secs, done, py_mb, jvm_mb, ok in rows:
-        print(f"{n:>9}{secs:>9.1f}{secs / n * 1000:>10.2f}{done:>11}{py_mb:>14.0f}{jvm_mb:>15.0f}  {ok}")
+          f"{'busy':>7}  accounted")
+    for n, secs, done, py_mb, jvm_mb, ok, _, busy in rows:
+        print(f"{n:>9}{secs:>9.1f}{secs / n * 1000:>10.2f}{done:>11}{py_mb:>14.0f}{jvm_mb:>15.0f}"
+              f"{busy if busy is not None else float('nan'):>7.3f}  {ok}")
+    for n, *_, stages, _ in rows:
+        print(f"stages at {n} lines: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
     first, last = rows[0], rows[-1]
     print(f"scale_ratio={(last[1] / last[0]) / (first[1] / first[0]):.3f}")
+    print(f"lines_per_second={last[0] / last[1]:.1f}")
+    print(f"per_core={last[0] / last[1] / cores:.1f}")
+    print(f"driver_peak_mb={last[3] + last[4]:.0f}")
+    print(f"busy_fraction={last[7] if last[7] is not None else float('nan'):.3f}")
     return 0
 
 
