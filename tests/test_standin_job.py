@@ -29,7 +29,8 @@ def standin_run(spark, tiny_model, embedding_model, tmp_path_factory):
     marked = [{"custom_id": f"marked-{kind}", "method": "POST", "url": "/v1/chat/completions",
                "body": {"model": "tiny-llm", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
                         "stop": [marker]}} for kind, marker in (("fail", FAIL_MARKER), ("die", DIE_MARKER))]
-    lines = list(bench.iter_mixed(LINES - len(marked), 7, "tiny-llm", "tiny-embed", 8)) + marked
+    # first: every 100th line is replaced by a hostile one
+    lines = marked + list(bench.iter_mixed(LINES - len(marked), 7, "tiny-llm", "tiny-embed", 8))
     nonblank = bench.write_input(path, lines, 0.01)
     cfg = BatchConfig(input=str(path), output_dir=str(root / "out"), batch_id="b-standin", model=tiny_model,
                       served_model_name="tiny-llm", max_model_len=1024, num_task_slots=2,
