@@ -21,6 +21,8 @@ JVM driver) and ``busy_fraction=`` of the largest size:
 
     python scripts/bench_scale.py --sizes 100000,1000000 --mix --hostile-fraction 0.01 --engine-standin free
     python scripts/bench_scale.py --sizes 100000 --mix --engine-standin h200-8b,start_seconds=0 --max-tokens 128
+    python scripts/bench_scale.py --sizes 1000000 --mix --hostile-fraction 0.01 --engine-standin free \
+        --kill-in-wave 10    # kill -9 mid-batch, then --resume: still every line once
 """
 
 from __future__ import annotations
@@ -37,6 +39,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def killed_run(cfg, master: str, wave_dir: Path) -> None:
+    """Run ``cfg`` in a process group of its own and kill the group (``kill -9``) once ``wave_dir`` (a wave's
+    staging directory: the wave is under way) exists."""
+    import signal
+    import subprocess
+
+    code = ("import sys; from spark_llm import BatchConfig; from spark_llm.pipeline import run_batch; "
+            "from spark_llm.session import get_session; "
+            "run_batch(get_session(master=sys.argv[2], conf={'spark.ui.enabled': 'false'}), "
+            "BatchConfig.model_validate_json(sys.argv[1]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, cfg.model_dump_json(), master], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not wave_dir.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"the run to kill ended (exit {proc.returncode}) before {wave_dir} appeared")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    print(f"killed the first run (kill -9 of its process group) while {wave_dir.name} ran", flush=True)
 
 
 def _make_tiny_model(*args: str) -> None:
@@ -155,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--engine-standin", default=None, help="the engine stand-in's rates (engine_standin), e.g. free "
                    "or h200-8b,start_seconds=0: no vLLM")
     p.add_argument("--mix", action="store_true", help="chat, completions, Responses and embeddings lines")
+    p.add_argument("--kill-in-wave", type=int, default=0, help="the largest size first runs in a process of its "
+                   "own, killed (SIGKILL, with its Spark JVM) while wave N runs; then it is resumed (--resume) and "
+                   "timed and checked as usual")
     args = p.parse_args(argv)
     from spark_llm.engine_host import apply_worker_env
     from spark_llm.session import LOCAL_ENV
@@ -192,6 +218,9 @@ def main(argv=None) -> int:
                           max_num_seqs=args.max_num_seqs, max_model_len=2048, enforce_eager=True,
                           target_tokens_per_partition=args.target_tokens_per_partition, batch_id=f"scale-{n}",
                           engine_standin=args.engine_standin, models=extra)
+        if args.kill_in_wave and n == sizes[-1]:
+            killed_run(cfg, args.master, work / f"out-{n}" / "_staging" / f"wave-{args.kill_in_wave}")
+            cfg = cfg.model_copy(update={"resume": True})
         clock = StageClock()
         result = run_batch(spark, cfg, clock.listener)
         end = time.monotonic()
