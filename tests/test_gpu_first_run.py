@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -488,3 +489,34 @@ def test_a_notebook_frees_the_gpus_of_its_host_s_engines_now(tmp_path, monkeypat
         assert engine.wait(10) is not None
     finally:
         engine.kill()
+
+
+def test_a_driver_older_than_torch_s_cuda_is_one_message_with_the_driver_it_needs(monkeypatch, tmp_path):
+    """torch (inside vLLM's start) says the driver is too old in its own words; the engine start says it in one
+    message with the driver that torch's CUDA needs."""
+    import types
+
+    from spark_llm.config import BatchConfig
+    from spark_llm.engine_host.spec import EngineSpec, build_engine, driver_too_old
+    from spark_llm.errors import EngineStartError
+
+    torch_says = ("The NVIDIA driver on your system is too old (found version 12020). Please update your GPU driver "
+                  "by downloading and installing a new version from the URL: http://www.nvidia.com/Download/index.aspx")
+    assert "580.65.06 or newer" in driver_too_old(torch_says, "13.0")
+    assert "525.60.13 or newer" in driver_too_old("CUDA driver version is insufficient for CUDA runtime version", "12.9")
+    assert "a newer NVIDIA driver" in driver_too_old(torch_says, None)
+    assert driver_too_old("CUDA out of memory", "12.9") is None
+
+    class LLM:
+        enqueue = None
+
+        def __init__(self, **kwargs):
+            raise RuntimeError(torch_says)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.9")))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(EngineStartError) as raised:
+        build_engine(EngineSpec.from_config(BatchConfig(model=str(tmp_path))))
+    message = str(raised.value)
+    assert message.startswith("the NVIDIA driver on this host is older than the CUDA 12.9")
+    assert "525.60.13 or newer" in message and "found version 12020" in message

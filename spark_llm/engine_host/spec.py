@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping, Optional
@@ -180,10 +181,35 @@ def build_engine(spec: EngineSpec, copying: Optional[Callable[[Optional[float]],
     try:
         return LLM(**kwargs)
     except Exception as exc:
+        torch = sys.modules.get("torch")
+        if (old := driver_too_old(str(exc), getattr(getattr(torch, "version", None), "cuda", None))) is not None:
+            raise EngineStartError(old) from exc
         raise EngineStartError(
             f"vLLM could not start the engine for {spec.model!r}: {type(exc).__name__}: {exc}. Check the model "
             f"directory, dtype, max_model_len / MAX_MODEL_LEN, max_num_seqs / BATCH_SIZE and "
             f"gpu_memory_utilization or kv_cache_memory_bytes") from exc
+
+
+#: The oldest NVIDIA driver each CUDA major version runs on (NVIDIA's minor-version compatibility floors): a torch
+#: built for CUDA 12.x needs 525.60.13 or newer, for 13.x 580.65.06 or newer.
+CUDA_DRIVER_FLOORS = {"12": "525.60.13", "13": "580.65.06"}
+#: What torch and the CUDA runtime say when the host's driver is older than the CUDA they were built for.
+OLD_DRIVER_MARKERS = ("driver on your system is too old", "CUDA driver version is insufficient",
+                      "cudaErrorInsufficientDriver")
+
+
+def driver_too_old(error: str, torch_cuda: Optional[str]) -> Optional[str]:
+    """One message for an engine start that failed because the host's NVIDIA driver is older than the CUDA that
+    torch was built for (``torch_cuda``, e.g. "12.9"), with the driver it needs; None for any other failure."""
+    if not any(marker in error for marker in OLD_DRIVER_MARKERS):
+        return None
+    major = (torch_cuda or "").split(".")[0]
+    floor = CUDA_DRIVER_FLOORS.get(major)
+    needs = f"NVIDIA driver {floor} or newer" if floor else "a newer NVIDIA driver"
+    built = f"CUDA {torch_cuda}" if torch_cuda else "a newer CUDA"
+    return (f"the NVIDIA driver on this host is older than the {built} that this executor's torch (vLLM's) was "
+            f"built for: it needs {needs}. Update the driver, or install the vLLM and torch built for the CUDA your "
+            f"driver runs (docs/gpu.md: drivers and CUDA). {error.strip().splitlines()[0][:300]}")
 
 
 def check_vllm(llm_class: Any) -> None:
