@@ -13,6 +13,10 @@ a CPU-only stage ran at once and how many inference tasks held each GPU at once.
 Also a drill for a lost executor: ``--gpus 0 --executors 2 --kill-executor`` kills one executor's JVM as an engine
 call holding the middle request starts (``kill_executor_once``, spark_llm.faults); the batch must still finish with
 every line exactly once.
+
+And a drill for a bad GPU: ``--bad-gpu 1`` makes every engine start on GPU 1 fail (``fail_engine_start_on_gpu``);
+the tasks Spark gives GPU 1 feed GPU 0's engine instead and the batch completes. ``--engine-standin free`` runs the
+engine stand-in instead of vLLM (no model load: the drill is about placement, not answers).
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--cores", type=int, default=4, help="cores of each executor")
     p.add_argument("--kill-executor", action="store_true",
                    help="kill one executor's JVM as an engine call holding the middle request starts")
+    p.add_argument("--bad-gpu", default=None, help="a GPU address whose engine cannot start")
+    p.add_argument("--engine-standin", default=None, help="the engine stand-in's rates (engine_standin) instead "
+                   "of vLLM")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--task-gpu-amount", type=int, default=None,
                    help="set spark.task.resource.gpu.amount for every stage (default: unset, so that spark_llm asks "
@@ -114,8 +121,13 @@ def main(argv=None) -> int:
                      "spark.worker.resource.gpu.discoveryScript": str(script),
                      "spark.executor.resource.gpu.amount": str(args.gpus),
                      "spark.executor.resource.gpu.discoveryScript": str(script)})
+    faults = []
     if args.kill_executor:
-        conf[f"spark.executorEnv.{FAULT_ENV}"] = f"kill_executor_once:{out / 'executor-killed'}:r{args.requests // 2}"
+        faults.append(f"kill_executor_once:{out / 'executor-killed'}:r{args.requests // 2}")
+    if args.bad_gpu is not None:
+        faults.append(f"fail_engine_start_on_gpu:{args.bad_gpu}")
+    if faults:
+        conf[f"spark.executorEnv.{FAULT_ENV}"] = ";".join(faults)
     if args.task_gpu_amount:
         conf["spark.task.resource.gpu.amount"] = str(args.task_gpu_amount)
     if args.tensor_parallel_size > 1:  # the CPU stand-in for a GPU group: one core per tensor-parallel rank
@@ -132,7 +144,7 @@ def main(argv=None) -> int:
             input=str(out / "in.jsonl"), output_dir=str(out / "results"), overwrite=True, batch_id="fake-gpu",
             model=args.model, max_model_len=512, max_num_seqs=32, dtype="bfloat16", enforce_eager=True,
             kv_cache_memory_bytes=64 << 20, tensor_parallel_size=args.tensor_parallel_size, num_task_slots=slots,
-            target_tokens_per_partition=target))
+            target_tokens_per_partition=target, engine_standin=args.engine_standin))
         metrics = [r.asDict() for r in spark.read.format("delta").load(result.batch.metadata["metrics_table"])
                    .select("partition", "wave", "rows", "gpus", "engine_slot", "engine_pid", "engine_load_seconds",
                            "engine_deaths", "started_at", "finished_at").collect()]

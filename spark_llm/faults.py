@@ -15,6 +15,8 @@ The value is one or more faults separated by ``;``:
   once, as an engine call holding that request starts: an executor lost mid-wave.
 - ``kill_node_once:<marker path>:<custom_id>`` (executors of a standalone cluster): as ``kill_executor_once``, and
   the executor's parent, its worker daemon, first: a node lost mid-wave.
+- ``fail_engine_start_on_gpu:<address>`` (engine processes): an engine whose devices hold that GPU cannot start, as
+  on a GPU with an ECC error or memory held by a leftover process.
 - ``exit_after_wave:<N>`` (driver): the driver exits hard right after committing wave N.
 - ``hold_inference_until:<release path>:<custom_id>`` (executors): an engine call holding that request waits, before
   it starts, until the file ``<release path>`` exists (10 minutes at most), after creating ``<release path>.held``: a
@@ -164,3 +166,12 @@ def _meet(directory: str, count: int, what: str) -> None:
     deadline = time.monotonic() + HOLD_SECONDS
     while len(os.listdir(directory)) < count and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def engine_start_failure(devices: Collection[str]) -> Optional[str]:
+    """``fail_engine_start_on_gpu``: why an engine on ``devices`` cannot start (as CUDA would say it), or None."""
+    for args in _faults("fail_engine_start_on_gpu"):
+        if args[0] in devices:
+            return (f"CUDA error: uncorrectable ECC error encountered on GPU {args[0]} (fault injection: "
+                    f"fail_engine_start_on_gpu)")
+    return None

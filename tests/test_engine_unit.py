@@ -300,14 +300,16 @@ def test_the_engine_layout_counts_engines_and_the_tasks_that_feed_each():
     from spark_llm.engine_host.placement import EngineLayout
 
     gpu = {"spark.executor.resource.gpu.amount": "8", "spark.executor.instances": "4", "spark.executor.cores": "16"}
-    assert layout(gpu) == EngineLayout(32, 2)  # 4 executors x 8 GPUs, two tasks per GPU
+    assert layout(gpu) == EngineLayout(32, 2, executor_engines=8)  # 4 executors x 8 GPUs, two tasks per GPU
     # cores not known here (a standalone executor takes its worker's): one task per GPU, which any count runs
-    assert layout({**gpu, "spark.executor.cores": ""}) == EngineLayout(32, 1)
+    assert layout({**gpu, "spark.executor.cores": ""}) == EngineLayout(32, 1, executor_engines=8)
     # 8 engines x 2 tasks x 2 cpus do not fit 16 cores: Spark would pack the tasks two to a GPU and idle the rest
-    assert layout({**gpu, "spark.executor.cores": "16", "spark.task.cpus": "2"}) == EngineLayout(32, 1)
-    assert layout(gpu, tp=2) == EngineLayout(16, 1)  # a tensor-parallel group is fed by one task
-    assert layout({**gpu, "spark.task.resource.gpu.amount": "0.25"}) == EngineLayout(32, 4)  # the user's share
-    assert layout({**gpu, "spark.task.resource.gpu.amount": "1"}) == EngineLayout(32, 1)
+    assert layout({**gpu, "spark.executor.cores": "16", "spark.task.cpus": "2"}) == \
+        EngineLayout(32, 1, executor_engines=8)
+    assert layout(gpu, tp=2) == EngineLayout(16, 1, executor_engines=4)  # a tensor-parallel group is fed by one task
+    # the user's share
+    assert layout({**gpu, "spark.task.resource.gpu.amount": "0.25"}) == EngineLayout(32, 4, executor_engines=8)
+    assert layout({**gpu, "spark.task.resource.gpu.amount": "1"}) == EngineLayout(32, 1, executor_engines=8)
     assert layout(gpu, tasks_per_engine=1).tasks == 32
     # a local master: the engines share its cores, each fed by as many of its task threads as there are
     assert layout({"spark.master": "local[4,8]"}, threads=4) == EngineLayout(2, 2, local_engines=2)
@@ -795,3 +797,25 @@ def test_a_slot_record_reads_back_as_written_and_a_file_that_names_no_process_is
     assert not SlotRecord(41).listening and "authkey" not in SlotRecord(41).as_json()
     assert SlotRecord.of({"pid": 41, "written_by": "a later spark_llm"}) == SlotRecord(41)
     assert [SlotRecord.of(x) for x in (None, [], {}, {"pid": "41"})] == [None] * 4
+
+
+def test_a_task_whose_gpu_cannot_start_an_engine_borrows_a_ready_one_of_another_gpu_for_the_same_settings():
+    from spark_llm.engine_host.client import lender
+    from spark_llm.engine_host.directory import Slot
+    from spark_llm.engine_host.protocol import SlotRecord
+
+    def engine(name, devices, key="k", ready=True):
+        return Slot(name, devices), SlotRecord(1, key=key, devices=devices, authkey="a" if ready else None)
+
+    bad = Slot("gpu-1", ("1",))
+    assert lender(bad, "k", []) is None
+    assert lender(bad, "k", [engine("gpu-1", ("1",))]) is None  # its own slot (a leftover record) is no lender
+    assert lender(bad, "k", [engine("gpu-0", ("0",), ready=False)]) is None  # still starting: wait for it
+    assert lender(bad, "k", [engine("gpu-0", ("0",), key="other")]) is None  # other settings
+    assert lender(bad, "k", [engine("cpu-7-0", ())]) is None  # not a GPU engine
+    assert lender(Slot("gpu-1,2", ("1", "2")), "k", [engine("gpu-2,3", ("2", "3"))]) is None  # shares a GPU
+    assert lender(bad, "k", [engine("gpu-0", ("0",)), engine("gpu-1", ("1",))]).name == "gpu-0"
+    several = [engine(f"gpu-{n}", (str(n),)) for n in (0, 2, 3)]
+    chosen = {lender(Slot(f"gpu-{n}", (str(n),)), "k", several).name for n in (1, 4, 5, 6, 7)}
+    assert len(chosen) > 1  # the tasks of different bad GPUs spread over the ready engines
+    assert lender(bad, "k", several) == lender(bad, "k", list(reversed(several)))  # whatever order they are listed

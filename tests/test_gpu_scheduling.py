@@ -96,3 +96,21 @@ def test_an_executor_killed_mid_wave_loses_nothing(tiny_model, tmp_path):
     assert sorted(m["partition"] for m in got["metrics"]) == list(range(got["partitions"]))
     # the killed task's engine call was on record: its retry ran the partition isolating, and set nothing aside
     assert sum(m["engine_deaths"] for m in got["metrics"]) == 1
+
+
+def test_a_gpu_whose_engine_cannot_start_hands_its_tasks_to_the_other_gpu(tiny_model, tmp_path):
+    """Every engine start on fake GPU 1 fails (fail_engine_start_on_gpu, as an ECC error would): the tasks Spark
+    gives GPU 1 feed GPU 0's engine instead, and the batch completes with every line once (before, each such task
+    failed, and Spark's retries, offered GPU 1 again first, failed the batch). The engine stand-in answers: the
+    drill is about placement."""
+    requests = 120
+    got = run_cluster(tiny_model, tmp_path, "--requests", str(requests), "--bad-gpu", "1",
+                      "--engine-standin", "free")
+    assert (got["completed"], got["failed"], got["output_lines"]) == (requests, 0, requests)
+    assert sum(m["rows"] for m in got["metrics"]) == requests
+    assert {e["slot"] for e in got["events"] if e["event"] == "ready"} == {"gpu-0"}
+    # GPU 1's engine was tried by at most the tasks that asked for it at once, then never again in the run
+    tried = [e for e in got["events"] if e["event"] == "start" and e["slot"] == "gpu-1"]
+    assert 1 <= len(tried) <= got["tasks_per_engine"]
+    assert {m["engine_slot"] for m in got["metrics"]} == {"gpu-0"}
+    assert "1" in {m["gpus"] for m in got["metrics"]}  # tasks that held GPU 1, answered by GPU 0's engine

@@ -26,8 +26,10 @@ twice on one GPU. So the engine lives beside the workers:
   request the engine rejects comes back as that request's error. An engine silent for
   ``engine_call_timeout_seconds`` during a call (a stepping one sends word every few seconds) is stopped as hung.
 - An engine that cannot start is remembered for the rest of the run (per slot and settings), so the task's
-  retries fail at once instead of loading the model again for each attempt; another GPU of the executor, and the
-  next run, try again.
+  retries fail at once instead of loading the model again for each attempt; the next run tries again. A task whose
+  own GPUs cannot start the engine (an ECC error, a leftover process holding the memory) feeds the ready engine of
+  another GPU of the host instead (:func:`lender`), so the batch goes on on the GPUs that work: Spark gives a failed
+  task's retry the same free GPU share first, and would spend ``spark.task.maxFailures`` on the bad GPU.
 - A server stops when the executor that started it is gone (while it loads too), after
   ``engine_idle_timeout_seconds`` without requests (counted from its first), when asked, or when its engine dies.
   It writes what it does to the engine directory's ``events.jsonl``.
@@ -264,24 +266,74 @@ def engine_for(spec: EngineSpec, process: ProcessSettings, place: TaskPlace,
     """The engine of this task's slot (see :class:`TaskPlace`) for ``spec``: the running one, the one already
     starting (:func:`prestart`, or another feeder's start), or one started now (stopping whatever else holds the
     slot's devices first); a feed of the slot is held until the block ends. An engine that could not start for these
-    settings on this slot during run ``run_id`` is not tried again in that run (its GPUs may be bad; the
-    executor's other GPUs are tried)."""
-    with hold_feed(place) as feed:
+    settings on this slot during run ``run_id`` is not tried again in that run (its GPUs may be bad); where the
+    executor has other GPUs, the task feeds one of their engines instead (:func:`borrowed_feed`)."""
+    with hold_feed(place) as feed, contextlib.ExitStack() as borrowed:
         failed = start_failed_marker(feed.slot, spec.key, run_id)
-        if failed.exists():  # a retried task of the run: the same settings failed here already, do not load again
-            raise EngineStartError(failed.read_text())
         t0 = time.monotonic()
         try:
-            info, started, awaited = _serving(feed.slot, spec, process)
+            if failed.exists():  # a later task of the run: the same settings failed here already, do not load again
+                raise EngineStartError(failed.read_text())
+            try:
+                info, started, awaited = _serving(feed.slot, spec, process)
+            except EngineStartError as exc:
+                failed.write_text(str(exc))
+                raise
         except EngineStartError as exc:
-            failed.write_text(str(exc))
-            raise
+            if not place.gpus or place.executor_engines < 2:
+                raise
+            feed = borrowed.enter_context(borrowed_feed(feed.slot, spec.key, str(exc),
+                                                        process.engine_start_timeout_seconds))
+            info, started, awaited = feed.slot.serving(), False, True
+            if info is None:  # gone since it was chosen: the call finds or starts the next one (EngineGone)
+                info = SlotRecord(0)
         conn = connect_or_gone(feed.slot, info)
         client = EngineClient(feed, info, started, time.monotonic() - t0 if awaited else 0.0, conn, spec, process)
         try:
             yield client
         finally:
             client.close()
+
+
+#: Feed locks of a slot that tasks of other GPUs take when they feed its engine (:func:`borrowed_feed`): apart from
+#: the slot's own feeds, so a borrower never holds up the tasks Spark gave the slot's GPUs.
+BORROWED_FEEDS = range(1000, 1064)
+#: Seconds between looks for an engine to borrow while none is ready.
+BORROW_POLL_SECONDS = 0.5
+
+
+def lender(own: Slot, key: str, here: Sequence[tuple[Slot, SlotRecord]]) -> Optional[Slot]:
+    """The engine a task whose own GPUs could not start one feeds instead (:func:`engine_for`): a ready engine of
+    ``here`` for the same settings ``key`` on other GPUs than ``own``'s, or None while there is none. Tasks of one
+    bad slot go to one lender, those of different bad slots spread over the ready engines (by the slot's name)."""
+    ready = sorted((slot for slot, info in here if info.listening and info.key == key and slot.devices
+                    and not set(slot.devices) & set(own.devices)), key=lambda slot: slot.name)
+    if not ready:
+        return None
+    return ready[int.from_bytes(own.name.encode(), "big") % len(ready)]
+
+
+@contextlib.contextmanager
+def borrowed_feed(own: Slot, key: str, why: str, timeout: float) -> Iterator[Feed]:
+    """A feed of another GPU's engine for settings ``key`` (:func:`lender`), waited for while none is ready (the
+    other GPUs' engines may still load), held until the block ends. :class:`EngineStartError` with ``why`` when none
+    is ready within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (other := lender(own, key, engines_here())) is None:
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"{why}; no engine of another GPU of this host became ready within {timeout:.0f}s "
+                                   f"to take the work of GPU(s) {','.join(own.devices)}")
+        time.sleep(BORROW_POLL_SECONDS)
+    while (taken := _take_first_free([(other, index) for index in BORROWED_FEEDS])) is None:
+        time.sleep(BORROW_POLL_SECONDS)
+    _, index, fd = taken
+    log.warning("the engine of GPU(s) %s could not start (%s); this task feeds the engine of GPU(s) %s instead",
+                ",".join(own.devices), why.splitlines()[0][:300], ",".join(other.devices))
+    feed = Feed(other, index, 1, {index: fd})
+    try:
+        yield feed
+    finally:
+        feed.release()
 
 
 def _serving(slot: Slot, spec: Any, process: ProcessSettings,

@@ -186,6 +186,9 @@ class TaskPlace:
     local_engines: Optional[int] = None
     local_devices: tuple[tuple[str, ...], ...] = ()
     feeds: int = 1
+    #: engines of one executor under Spark's GPU scheduling: with more than one, a task whose GPUs cannot start an
+    #: engine feeds another GPU's (see :func:`~spark_llm.engine_host.client.engine_for`)
+    executor_engines: int = 1
 
     def local_slots(self, executor: Optional[int] = None) -> list[Slot]:
         """The local master's engine slots: one per device group, else ``local_engines`` CPU slots (of this
@@ -207,6 +210,7 @@ class EngineLayout:
     feeds: int = 1
     local_engines: Optional[int] = None
     local_devices: tuple[tuple[str, ...], ...] = ()
+    executor_engines: int = 1  #: engines of one executor (its GPUs // tensor_parallel_size) under GPU scheduling
 
     @property
     def tasks(self) -> int:
@@ -216,7 +220,8 @@ class EngineLayout:
     def place(self) -> TaskPlace:
         """Where this layout's inference tasks feed engines (their GPUs, if Spark assigns them any, added in the
         task)."""
-        return TaskPlace(local_engines=self.local_engines, local_devices=self.local_devices, feeds=self.feeds)
+        return TaskPlace(local_engines=self.local_engines, local_devices=self.local_devices, feeds=self.feeds,
+                         executor_engines=self.executor_engines)
 
 
 @dataclass(frozen=True)
@@ -287,7 +292,7 @@ def engine_layout(spark_conf: Mapping[str, str], *, engines: Optional[int], task
             feeds = min(feeds, cores // (cpus * per_executor)) if cores else 1
         feeds = max(1, feeds)
         count = engines or (executors * per_executor if executors else max(1, parallelism() // feeds))
-        return EngineLayout(count, feeds)
+        return EngineLayout(count, feeds, executor_engines=per_executor)
     if local is not None:
         groups = [local.gpus[i:i + tensor_parallel_size]
                   for i in range(0, len(local.gpus) - tensor_parallel_size + 1, tensor_parallel_size)]

@@ -42,6 +42,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from .. import faults
 from ..errors import EngineStartError, RequestError
 from ..media import decode
 from ..host import process_alive, try_lock, write_private
@@ -757,6 +758,9 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
                 import_engine()
     spec = seeded_for(EngineSpec(settings=settings), slot.name)
     began = time.time()
+    if (injected := faults.engine_start_failure(slot.devices)) is not None:
+        could_not_start(slot, args, injected)
+        server.stop("engine could not start", code=1)
 
     def copying(seconds: Optional[float]) -> None:  # for the start's time limit, which leaves the copy out
         write_private(slot.path(SlotFile.COPY), {"pid": os.getpid(), "began_at": began, "seconds": seconds})
