@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import threading
 import time
 import uuid
 import weakref
@@ -89,6 +90,7 @@ class RunListener:
 
 #: The inference stages' ResourceProfiles, per session and resources (see RunContext.gpu_profile).
 _PROFILES: "weakref.WeakKeyDictionary[SparkSession, dict[InferenceResources, Any]]" = weakref.WeakKeyDictionary()
+_PROFILES_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -144,10 +146,11 @@ class RunContext:
                                      config_added_executors(self.cfg, conf))
         if wanted is None:
             return None
-        made = _PROFILES.setdefault(self.spark, {})
-        if wanted not in made:
-            made[wanted] = resource_profile(wanted)
-        return made[wanted]
+        with _PROFILES_LOCK:  # the waves' threads ask at once: two profiles would be two sets of executors
+            made = _PROFILES.setdefault(self.spark, {})
+            if wanted not in made:
+                made[wanted] = resource_profile(wanted)
+            return made[wanted]
 
     @property
     def batch_id(self) -> str:

@@ -520,3 +520,35 @@ def test_a_driver_older_than_torch_s_cuda_is_one_message_with_the_driver_it_need
     message = str(raised.value)
     assert message.startswith("the NVIDIA driver on this host is older than the CUDA 12.9")
     assert "525.60.13 or newer" in message and "found version 12020" in message
+
+
+def test_waves_asking_for_the_inference_profile_at_once_share_one(monkeypatch):
+    """Two waves are in flight at once, each asking its run for the inference stage's ResourceProfile from a thread
+    of its own: they get one profile (Spark tells profiles apart by id: two would be two sets of GPU executors, the
+    first wave's idle and removed while the second waits for its own, as the elastic drill once showed)."""
+    import threading
+
+    import spark_llm.context as context
+    from spark_llm.config import BatchConfig
+
+    built: list[int] = []
+
+    def slow_profile(resources):  # long enough for the other wave's thread to ask meanwhile
+        built.append(1)
+        time.sleep(0.3)
+        return object()
+
+    class Session:  # what the run's profile is kept by (weakly)
+        pass
+
+    monkeypatch.setattr(context, "resource_profile", slow_profile)
+    monkeypatch.setattr(context, "spark_conf", lambda spark: DYNAMIC)
+    run = context.RunContext(spark=Session(), cfg=BatchConfig(model="/m", gpus_per_executor=1), paths=None,
+                             created_at=0, started=0.0, metrics=None, run_id="r")
+    got: list = []
+    waves = [threading.Thread(target=lambda: got.append(run.gpu_profile)) for _ in range(2)]
+    for wave in waves:
+        wave.start()
+    for wave in waves:
+        wave.join()
+    assert len(built) == 1 and len(got) == 2 and got[0] is got[1]
