@@ -100,6 +100,7 @@ def main(argv=None) -> int:
 
     from spark_llm import BatchConfig, run_batch
     from spark_llm.engine_host import ENGINE_DIR_ENV, read_events
+    from spark_llm.engine_host.placement import cluster_capacity
     from spark_llm.faults import FAULT_ENV
     from spark_llm.session import get_session
 
@@ -145,6 +146,7 @@ def main(argv=None) -> int:
             model=args.model, max_model_len=512, max_num_seqs=32, dtype="bfloat16", enforce_eager=True,
             kv_cache_memory_bytes=64 << 20, tensor_parallel_size=args.tensor_parallel_size, num_task_slots=slots,
             target_tokens_per_partition=target, engine_standin=args.engine_standin))
+        held = cluster_capacity(spark)  # what the batch service's /metrics reports of the application
         metrics = [r.asDict() for r in spark.read.format("delta").load(result.batch.metadata["metrics_table"])
                    .select("partition", "wave", "rows", "gpus", "engine_slot", "engine_pid", "engine_load_seconds",
                            "engine_deaths", "started_at", "finished_at").collect()]
@@ -155,6 +157,7 @@ def main(argv=None) -> int:
         "output_lines": len(Path(result.output_file).read_text().splitlines()),
         "partitions": result.batch.partition_plan["num_partitions"], "cpu_tasks_at_once": cpu_tasks_at_once,
         "executor_killed": (out / "executor-killed").exists(),
+        "capacity": {"executors": held.executors, "gpus": held.gpus},
         "tensor_parallel_size": args.tensor_parallel_size,
         "inference_tasks_at_once": concurrency([(m["started_at"].timestamp(), m["finished_at"].timestamp())
                                                 for m in metrics]),

@@ -227,12 +227,16 @@ def drive(record: Path, engine_dirs: list[Path], run_args: list[str]) -> int:
             f.write(json.dumps({"time": time.time(), **fields}) + "\n")
 
     def sample() -> None:
+        from pyspark.sql import SparkSession
+
+        from spark_llm.engine_host.placement import cluster_capacity
+
         while not stop.wait(0.5):
-            sc = SparkContext._active_spark_context
-            jsc = getattr(sc, "_jsc", None)  # set once the context has started
-            if jsc is not None:
-                count["executors"] = jsc.sc().getExecutorIds().size()
-                note(executors=count["executors"])
+            sc = SparkContext._active_spark_context  # set once the context has started
+            if getattr(sc, "_jsc", None) is not None:
+                held = cluster_capacity(SparkSession(sc))  # what the batch service's /metrics reports
+                count["executors"] = held.executors
+                note(executors=held.executors, gpus=held.gpus)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -261,7 +265,8 @@ def elastic_timeline(record: Path, submitted: float) -> dict:
     end = next((n for n in notes if "engines_ended" in n), {})
     first = next((n["time"] for n in counts if n["executors"] > 0), None)
     since = lambda t: round(t - submitted, 1) if t is not None else None  # noqa: E731
-    return {"executors": [n["executors"] for n in counts], "cached": done.get("cached"),
+    return {"executors": [n["executors"] for n in counts], "gpus": [n.get("gpus", 0) for n in counts],
+            "cached": done.get("cached"),
             "first_executor_s": since(first), "completed_s": since(done.get("time")),
             "released_s": since(end.get("time")) if end.get("engines_ended") else None,
             "engines_ended_in_app": bool(end.get("engines_ended")), "executors_left": end.get("executors_left"),

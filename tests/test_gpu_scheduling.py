@@ -37,6 +37,8 @@ def test_every_line_once_on_the_fake_gpu_cluster(cluster):
     assert (cluster["completed"], cluster["failed"], cluster["output_lines"]) == (REQUESTS, 0, REQUESTS)
     assert cluster["partitions"] >= 8 and sum(m["rows"] for m in cluster["metrics"]) == REQUESTS
     assert len({m["wave"] for m in cluster["metrics"]}) >= 2  # several waves, engines kept between them
+    # what the application holds, as the batch service's /metrics reports it (cluster_capacity)
+    assert cluster["capacity"] == {"executors": 1, "gpus": GPUS}
 
 
 def test_no_gpu_ever_has_two_live_engines(cluster):

@@ -403,19 +403,22 @@ def test_health_ready_metrics_and_the_audit_log(server, tmp_path):
 
     base = f"http://127.0.0.1:{server.port}"
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
-    ready = httpx.get(f"{base}/ready")
-    assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
     assert httpx.get(f"{base}/metrics").status_code == 401  # behind the keys, as the API
     client = server.client()
     batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "m.jsonl", [
         chat_line("m-0", max_tokens=2)])).id, endpoint="/v1/chat/completions", completion_window="24h")
     assert wait_for(client, batch.id).status == "completed"
+    ready = httpx.get(f"{base}/ready")  # a batch ran: the session is up (run alone, it is still starting at first)
+    assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
     text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
     assert values['spark_llm_batches{status="completed"}'] >= 1 and values["spark_llm_spark_ready"] == 1
     assert values['spark_llm_requests_total{outcome="completed"}'] >= 1
     assert 'spark_llm_engines{slot=' in text  # the server's CPU engines, ready
+    # a local master: its driver runs the tasks, without GPUs (the standalone drill counts real ones:
+    # cluster_capacity)
+    assert (values["spark_llm_executors"], values["spark_llm_executor_gpus"]) == (1, 0)
     assert sum(v for k, v in values.items() if k.startswith("spark_llm_engine_busy_seconds_total")) > 0
     # every metric the alert rules name is one the server exposes
     rules = (Path(__file__).resolve().parents[1] / "conf" / "prometheus-alerts.yaml").read_text()

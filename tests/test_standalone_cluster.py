@@ -91,6 +91,9 @@ def test_idle_gpu_executors_and_their_engines_go_while_the_application_still_run
     states are theirs (docs/gpu.md: cachedExecutorIdleTimeout)."""
     assert elastic["engines_ended_in_app"], elastic["executors"]
     assert max(elastic["executors"]) == 4 and elastic["executors_left"] <= 2, elastic["executors"]
+    # the GPUs the application held (cluster_capacity, the service's spark_llm_executor_gpus): both workers' two
+    # while they inferred, none at the end
+    assert max(elastic["gpus"]) == 2 * GPUS and elastic["gpus"][-1] == 0, elastic["gpus"]
     for worker, events in elastic["events"].items():
         stops = [e for e in events if e["event"] == "stop"]
         assert {e["pid"] for e in stops} == {e["pid"] for e in events if e["event"] == "start"}, (worker, events)

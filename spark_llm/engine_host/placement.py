@@ -398,3 +398,34 @@ def task_gpus(tensor_parallel_size: int) -> Optional[list[str]]:
     except Exception:  # outside Spark
         resources = None
     return select_gpus(resources, tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a Spark application holds now: its live executors that run tasks (a local master's driver, else the
+    executors but the driver) and their GPUs."""
+
+    executors: int
+    gpus: int
+
+
+def cluster_capacity(spark: Any) -> Optional[Capacity]:
+    """The live executors of ``spark``'s application and the GPUs Spark gave them, from its status store (what the
+    Spark UI's Executors page shows); None over Spark Connect, whose client has no view of them."""
+    from ..session import is_connect
+
+    if is_connect(spark):
+        return None
+    master = spark.sparkContext.master
+    local = master == "local" or master.startswith("local[")  # its driver runs the tasks (local-cluster: not)
+    summaries = spark.sparkContext._jsc.sc().statusStore().executorList(True).iterator()  # the live ones
+    executors = gpus = 0
+    while summaries.hasNext():
+        summary = summaries.next()
+        if summary.id() == "driver" and not local:
+            continue
+        executors += 1
+        gpu = summary.resources().get("gpu")
+        if gpu.isDefined():
+            gpus += len(gpu.get().addresses())
+    return Capacity(executors, gpus)

@@ -93,8 +93,29 @@ class _Collector:
         scheduler = self.service.scheduler
         yield GaugeMetricFamily("spark_llm_spark_ready", "This server's Spark session is up",
                                 value=1.0 if scheduler.ready.is_set() and scheduler.startup_error is None else 0.0)
+        yield from _capacity(scheduler.spark if scheduler.ready.is_set() else None)
         yield from _engines()
         yield from _gpus()
+
+
+def _capacity(spark: Any) -> Iterator[Any]:
+    """The executors and GPUs this server's Spark application holds now
+    (:func:`~spark_llm.engine_host.placement.cluster_capacity`: with dynamic allocation they follow the backlog);
+    nothing before its session is up, nor over Spark Connect."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from ..engine_host.placement import cluster_capacity
+
+    try:
+        held = cluster_capacity(spark) if spark is not None else None
+    except Exception:  # the session is stopping: no figures this scrape
+        held = None
+    if held is None:
+        return
+    yield GaugeMetricFamily("spark_llm_executors", "Live executors of this server's Spark application that run tasks "
+                            "(a local master: its driver)", value=held.executors)
+    yield GaugeMetricFamily("spark_llm_executor_gpus", "GPUs Spark gave this server's executors",
+                            value=held.gpus)
 
 
 def _engines() -> Iterator[Any]:
