@@ -62,6 +62,13 @@ def killed_run(cfg, master: str, wave_dir: Path) -> None:
     print(f"killed the first run (kill -9 of its process group) while {wave_dir.name} ran", flush=True)
 
 
+def _jvm_live_mb(spark) -> float:
+    """The driver JVM's heap in use after a full collection: what it holds, not what it grew into."""
+    runtime = spark.sparkContext._jvm.java.lang.Runtime.getRuntime()
+    spark.sparkContext._jvm.java.lang.System.gc()
+    return (runtime.totalMemory() - runtime.freeMemory()) / (1 << 20)
+
+
 def _make_tiny_model(*args: str) -> None:
     import subprocess
 
@@ -228,14 +235,14 @@ def main(argv=None) -> int:
         py_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         busy = (result.batch.partition_plan or {}).get("busy_fraction")
         rows.append((n, secs, result.completed, py_mb, _jvm_peak_mb(spark), accounted(spark, result, nonblank),
-                     clock.stages(end), busy))
+                     clock.stages(end), busy, _jvm_live_mb(spark)))
     spark.stop()
     print(f"{'lines':>9}{'seconds':>9}{'s/1k req':>10}{'completed':>11}{'py driver MB':>14}{'JVM driver MB':>15}"
-          f"{'busy':>7}  accounted")
-    for n, secs, done, py_mb, jvm_mb, ok, _, busy in rows:
-        print(f"{n:>9}{secs:>9.1f}{secs / n * 1000:>10.2f}{done:>11}{py_mb:>14.0f}{jvm_mb:>15.0f}"
+          f"{'JVM live MB':>13}{'busy':>7}  accounted")
+    for n, secs, done, py_mb, jvm_mb, ok, _, busy, live_mb in rows:
+        print(f"{n:>9}{secs:>9.1f}{secs / n * 1000:>10.2f}{done:>11}{py_mb:>14.0f}{jvm_mb:>15.0f}{live_mb:>13.0f}"
               f"{busy if busy is not None else float('nan'):>7.3f}  {ok}")
-    for n, *_, stages, _ in rows:
+    for n, *_, stages, _, _ in rows:
         print(f"stages at {n} lines: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
     first, last = rows[0], rows[-1]
     print(f"scale_ratio={(last[1] / last[0]) / (first[1] / first[0]):.3f}")
