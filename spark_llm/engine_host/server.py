@@ -726,8 +726,8 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     if len(args.slot) > 1:
         if args.devices:
             p.error("several slots share a process only without devices")
-        log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
         if not standin:
+            log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
             with tokenizer_class_decided(settings):  # its modules, imported here, serve the engines' tokenizers too
                 import_engine(ENGINE_MODULES)
         slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
