@@ -106,12 +106,13 @@ def parse_rates(value: str) -> Rates:
 
 @dataclass
 class Seq:
-    """A request in the stand-in: its id, prompt and answer lengths."""
+    """A request in the stand-in: its id, prompt and answer lengths (and, in the engine, what it answers from)."""
 
     request_id: str
     prompt_tokens: int
     output_tokens: int
-    payload: Any = None  #: what the engine answers it with
+    prompt: Sequence[int] = ()
+    params: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -241,8 +242,7 @@ class StandInLLM:
             self.ids += 1
             rid = str(self.ids)
             tokens = prompt["prompt_token_ids"]
-            n = int(p.get("n") or 1)
-            self.scheduler.add(Seq(rid, len(tokens), max(int(p.get("max_tokens") or 16), 1), (tokens, p, n)))
+            self.scheduler.add(Seq(rid, len(tokens), max(int(p.get("max_tokens") or 16), 1), tokens, p))
             ids.append(f"{rid}-standin")
         return ids
 
@@ -252,10 +252,9 @@ class StandInLLM:
     def step(self) -> list[SimpleNamespace]:
         seconds, admitted, finished = self.scheduler.step()
         for seq in admitted:
-            _, params, _ = seq.payload
-            self._check_markers(params)
+            self._check_markers(seq.params)
         self._wait(seconds)
-        return [self._output(seq.request_id, *seq.payload) for seq in finished]
+        return [self._output(seq.request_id, seq.prompt, seq.params) for seq in finished]
 
     @staticmethod
     def _check_markers(params: dict) -> None:
@@ -265,10 +264,11 @@ class StandInLLM:
         if FAIL_MARKER in stop:
             raise ValueError(f"the engine stand-in failed this request as its stop list asks ({FAIL_MARKER})")
 
-    def _output(self, rid: str, tokens: list[int], params: dict, n: int) -> SimpleNamespace:
+    def _output(self, rid: str, tokens: Sequence[int], params: dict) -> SimpleNamespace:
+        """A finished request as vLLM's ``RequestOutput`` reads: ``n`` choices of ``max_tokens`` tokens each."""
         count = max(int(params.get("max_tokens") or 16), 1)
         choices = [_choice(k, answer_tokens(tokens, params.get("seed"), k, count), params.get("logprobs"))
-                   for k in range(n)]
+                   for k in range(int(params.get("n") or 1))]
         return SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=tokens, num_cached_tokens=0,
                                outputs=choices)
 
@@ -285,7 +285,7 @@ class StandInLLM:
         while scheduler.busy:
             seconds += scheduler.step()[0]
         self._wait(seconds)
-        return [self._output(str(k), prompt["prompt_token_ids"], p, int(p.get("n") or 1))
+        return [self._output(str(k), prompt["prompt_token_ids"], p)
                 for k, (prompt, p) in enumerate(zip(prompts, params))]
 
     def _pooled(self, prompts: list[dict]) -> None:
