@@ -152,3 +152,16 @@ def test_vllm_s_engine_dead_error_is_fatal_where_vllm_was_imported_and_nothing_i
     assert is_fatal(module.EngineDeadError("engine core died")) and not is_fatal(ValueError("bad request"))
     monkeypatch.delitem(sys.modules, "vllm.v1.engine.exceptions")
     assert not is_fatal(ValueError("bad request")) and "vllm.v1.engine.exceptions" not in sys.modules
+
+
+def test_nothing_of_the_stand_in_is_reached_without_its_setting():
+    """The stand-in is never the default: a config without the setting selects vLLM, and neither the engine server
+    nor the job imports the stand-in's module (the server does only for settings that name it)."""
+    import subprocess
+
+    assert BatchConfig(model="/m").engine_standin is None
+    assert EngineSpec.from_config(BatchConfig(model="/m")).settings["engine_standin"] is None
+    code = ("import sys, spark_llm.engine_host.server, spark_llm.infer, spark_llm.cli; "
+            "print('spark_llm.engine_host.standin' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
