@@ -126,7 +126,7 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
         batch = BatchObject.completed(run, tables.tally, tables.unattributed, tables.endpoint, plan,
                                       outcome.in_progress_at)
         report = report_html.render(batch.model_dump(), records, tables.histogram, tables.errors_by_code,
-                                    time.time() - run.started, simulated=simulated(run.cfg))
+                                    time.time() - run.started, simulated=simulated(run.models or (run.cfg,)))
     finally:
         if usage is not None:
             usage.thread.join()
@@ -140,10 +140,10 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
     return result
 
 
-def simulated(cfg: BatchConfig) -> Optional[str]:
-    """The engine stand-ins that answered a batch's requests (its models'), or None when vLLM did."""
-    names = [m for m in (cfg.engine_standin, *(getattr(e, "engine_standin", None) for e in cfg.models)) if m]
-    return ", ".join(dict.fromkeys(names)) or None
+def simulated(models: Sequence[BatchConfig]) -> Optional[str]:
+    """The engine stand-ins that answered a batch's requests (its models' resolved configs), or None when vLLM
+    did."""
+    return ", ".join(dict.fromkeys(m.engine_standin for m in models if m.engine_standin)) or None
 
 
 def batch_records(run: RunContext) -> list[dict]:

@@ -48,9 +48,10 @@ def _amount(spark_conf: Mapping[str, str], key: str) -> float:
 
 def dynamic_allocation(spark_conf: Mapping[str, str]) -> bool:
     """Spark adds and removes executors as the backlog asks (a local master has no dynamic allocation)."""
-    master = str(spark_conf.get("spark.master", ""))
-    return str(spark_conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true" and not (
-        master == "local" or master.startswith("local["))
+    from ..session import is_local_master
+
+    return str(spark_conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true" and \
+        not is_local_master(spark_conf)
 
 
 @dataclass(frozen=True)
@@ -412,12 +413,11 @@ class Capacity:
 def cluster_capacity(spark: Any) -> Optional[Capacity]:
     """The live executors of ``spark``'s application and the GPUs Spark gave them, from its status store (what the
     Spark UI's Executors page shows); None over Spark Connect, whose client has no view of them."""
-    from ..session import is_connect
+    from ..session import is_connect, is_local_master
 
     if is_connect(spark):
         return None
-    master = spark.sparkContext.master
-    local = master == "local" or master.startswith("local[")  # its driver runs the tasks (local-cluster: not)
+    local = is_local_master({"spark.master": spark.sparkContext.master})  # its driver runs the tasks
     summaries = spark.sparkContext._jsc.sc().statusStore().executorList(True).iterator()  # the live ones
     executors = gpus = 0
     while summaries.hasNext():
