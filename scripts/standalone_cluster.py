@@ -109,7 +109,7 @@ def delta_jars() -> list[str]:
 
     from spark_llm.session import recorded_delta_jars  # the jars a local session resolved and keeps
 
-    recorded = recorded_delta_jars()
+    recorded = recorded_delta_jars(s3a=True)  # Delta's and S3A's, as a local session resolved them
     if recorded:
         return ["--jars", recorded]
     spark_minor = ".".join(pyspark.__version__.split(".")[:2])

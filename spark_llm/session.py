@@ -115,7 +115,8 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     else:
         builder = SparkSession.builder.appName(app_name).master(with_task_retries(master or "local[2]"))
     only_delta = not {"spark.jars", "spark.jars.packages"} & set(settings)  # no jars of the caller's own
-    recorded = recorded_delta_jars() if only_delta else None
+    s3a = local  # a cluster's Hadoop brings its own S3A connector, of its own version
+    recorded = recorded_delta_jars(s3a) if only_delta else None
     if recorded:
         settings["spark.jars"] = recorded
     if local:
@@ -125,12 +126,13 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
         warnings.simplefilter("ignore", UserWarning)
         packages = [p for p in settings.get("spark.jars.packages", "").split(",") if p]
+        packages += [s3a_package()] if s3a and not any(":hadoop-aws:" in p for p in packages) else []
         with _naming_local_executor(remote or settings.get("spark.master") or master or "local[2]") as named:
             spark = (builder if recorded else configure_spark_with_delta_pip(builder, packages)).getOrCreate()
         if named and not remote:
             _NAMED_EXECUTORS[spark.sparkContext.applicationId] = named
     if only_delta and not recorded:
-        _record_delta_jars(spark.conf.get("spark.jars", "") or "")
+        _record_delta_jars(spark.conf.get("spark.jars", "") or "", s3a)
     if not remote:
         spark.sparkContext.setLogLevel("WARN")
     return spark
@@ -193,11 +195,29 @@ def _cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spark_llm"
 
 
-def _delta_jars_record() -> Path:
+def _delta_jars_record(s3a: bool = False) -> Path:
     import pyspark
     from importlib.metadata import version
 
-    return _cache() / f"delta-spark-{version('delta-spark')}-spark-{pyspark.__version__}.jars"
+    with_s3a = f"-hadoop-aws-{hadoop_version()}" if s3a else ""
+    return _cache() / f"delta-spark-{version('delta-spark')}-spark-{pyspark.__version__}{with_s3a}.jars"
+
+
+def hadoop_version() -> str:
+    """The version of the Hadoop client pyspark bundles (its ``hadoop-client-api`` jar)."""
+    import pyspark
+
+    jars = sorted(Path(pyspark.__file__).parent.glob("jars/hadoop-client-api-*.jar"))
+    if not jars:
+        raise RuntimeError(f"no hadoop-client-api jar in pyspark's jars ({Path(pyspark.__file__).parent}/jars)")
+    return jars[-1].name[len("hadoop-client-api-"):-len(".jar")]
+
+
+def s3a_package() -> str:
+    """Hadoop's S3A connector (``s3a://``) for the Hadoop pyspark bundles: a local session gets it with Delta's jars
+    (with the AWS SDK bundle it depends on), since pyspark ships no object-store connector. The version must be
+    Hadoop's own: S3A calls Hadoop's internals, and another version fails on its first request."""
+    return f"org.apache.hadoop:hadoop-aws:{hadoop_version()}"
 
 
 def local_java_options(settings: Mapping[str, str]) -> str:
@@ -281,22 +301,22 @@ def _tidy_class_archives(cache: Path, in_use: Path) -> None:
             stale.unlink()
 
 
-def recorded_delta_jars() -> Optional[str]:
+def recorded_delta_jars(s3a: bool = False) -> Optional[str]:
     """The Delta jars a local session resolved before (``spark.jars``), while every one is still on disk: Ivy's
     resolution of ``spark.jars.packages`` costs every session start seconds, even with every jar in its cache."""
     try:
-        jars = _delta_jars_record().read_text().strip()
+        jars = _delta_jars_record(s3a).read_text().strip()
     except OSError:
         return None
     paths = [j[len("file:"):].lstrip("/") for j in jars.split(",")]
     return jars if jars and all(os.path.isfile("/" + p) for p in paths) else None
 
 
-def _record_delta_jars(jars: str) -> None:
+def _record_delta_jars(jars: str, s3a: bool = False) -> None:
     if "delta-spark" not in jars:
         return
     with contextlib.suppress(OSError):  # only a cache: the next session resolves them again
-        record = _delta_jars_record()
+        record = _delta_jars_record(s3a)
         record.parent.mkdir(parents=True, exist_ok=True)
         tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
         tmp.write_text(jars + "\n")

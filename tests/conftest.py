@@ -50,6 +50,19 @@ def postgres():
 
 
 @pytest.fixture(scope="session")
+def s3(spark):
+    """A real S3 API for this test run (scripts/s3_server.py: moto's server on 127.0.0.1), and the shared session's
+    S3A connector pointed at it (Hadoop settings of the running session: each bucket's filesystem is made at its
+    first use, after these). Its ``client()`` is boto3's."""
+    server = _load_script("s3_server").S3Server().start()
+    hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+    for key, value in server.hadoop_settings().items():
+        hadoop.set(key, value)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def engine_dir(tmp_path_factory) -> Path:
     """This test run's engine directory (spark_llm.engine_host): its engines and their records."""
     return tmp_path_factory.mktemp("engines")

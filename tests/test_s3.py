@@ -1,0 +1,79 @@
+"""The job on object storage (issue 42): input files under an ``s3a://`` prefix, every result in a bucket, spoken to
+over HTTP by Hadoop's S3A connector (resolved with Delta's jars) and read back with boto3, against a real S3 API
+server on 127.0.0.1 (moto's). Each test's bucket is its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import capture_logs, chat_line, engine_settings
+
+pytestmark = pytest.mark.engine
+
+
+def lines_of(client, bucket: str, key: str) -> list[dict]:
+    body = client.get_object(Bucket=bucket, Key=key)["Body"].read().decode("utf-8")
+    return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def s3_run(spark, s3, tiny_model):
+    from spark_llm import BatchConfig
+    from spark_llm.pipeline import run_batch
+
+    client = s3.client()
+    client.create_bucket(Bucket="lake")
+    first = [chat_line(f"a-{i}", f"question {i}", max_tokens=4) for i in range(3)]
+    second = [chat_line(f"b-{i}", f"question {i}", max_tokens=4) for i in range(2)]
+    client.put_object(Bucket="lake", Key="batches/part-1.jsonl",
+                      Body="".join(json.dumps(r) + "\n" for r in first).encode())
+    client.put_object(Bucket="lake", Key="batches/part-2.jsonl",
+                      Body=("".join(json.dumps(r) + "\n" for r in second) + "\nnot json\n").encode())
+    cfg = BatchConfig(input="s3a://lake/batches/", output_dir="s3a://lake/results/run1", batch_id="b-s3",
+                      **engine_settings(tiny_model))
+    with capture_logs() as logs:
+        result = run_batch(spark, cfg)
+    return result, client, logs
+
+
+def test_a_prefix_of_files_in_a_bucket_runs_and_every_result_lands_in_the_bucket(spark, s3_run):
+    from pyspark.sql import functions as F
+
+    result, client, _ = s3_run
+    assert result.paths.output_file == "s3a://lake/results/run1/output.jsonl"
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket="lake", Prefix="results/run1/")["Contents"]}
+    for name in ("output.jsonl", "errors.jsonl", "batch.json", "settings.json", "report.html"):
+        assert f"results/run1/{name}" in keys
+    assert any(k.startswith("results/run1/delta/outputs/_delta_log/") for k in keys)
+    # every line once: five answers, one error row (the bad line of the second file), in the files and the tables
+    out = lines_of(client, "lake", "results/run1/output.jsonl")
+    err = lines_of(client, "lake", "results/run1/errors.jsonl")
+    assert sorted(r["custom_id"] for r in out) == ["a-0", "a-1", "a-2", "b-0", "b-1"]
+    assert len(err) == 1 and err[0]["error"]["code"] == "invalid_json"
+    outputs = spark.read.format("delta").load("s3a://lake/results/run1/delta/outputs")
+    errors = spark.read.format("delta").load("s3a://lake/results/run1/delta/errors")
+    rows = outputs.select("file", "line_number").unionByName(errors.select("file", "line_number"))
+    assert rows.count() == rows.distinct().count() == 6
+    assert {r["file"] for r in rows.select("file").distinct().collect()} == {
+        "s3a://lake/batches/part-1.jsonl", "s3a://lake/batches/part-2.jsonl"}
+    assert errors.where(F.col("code") == "invalid_json").first()["line_number"] == 4  # the blank line counted
+    batch = json.loads(client.get_object(Bucket="lake", Key="results/run1/batch.json")["Body"].read())
+    assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
+
+
+def test_the_secret_key_is_in_no_object_and_no_log_line(s3, s3_run):
+    _, client, logs = s3_run
+    secret = _secret()
+    assert secret in s3.hadoop_settings()["fs.s3a.secret.key"]  # the key the connector signed with
+    for o in client.list_objects_v2(Bucket="lake", Prefix="results/")["Contents"]:
+        body = client.get_object(Bucket="lake", Key=o["Key"])["Body"].read()
+        assert secret.encode() not in body, o["Key"]
+    assert not [m for m in logs if secret in m]
+
+
+def _secret() -> str:
+    from conftest import _load_script
+
+    return _load_script("s3_server").SECRET_KEY
