@@ -101,6 +101,10 @@ class Cluster:
             proc.wait()
 
 
+#: The jars S3A brings to a local session (session.s3a_package and what it depends on), by name.
+S3A_JARS = ("hadoop-aws", "awssdk", "analyticsaccelerator", "wildfly-openssl")
+
+
 def delta_jars() -> list[str]:
     """spark-submit's arguments for Delta: the jars a local session resolved before, else the package."""
     from importlib.metadata import version
@@ -109,7 +113,9 @@ def delta_jars() -> list[str]:
 
     from spark_llm.session import recorded_delta_jars  # the jars a local session resolved and keeps
 
-    recorded = recorded_delta_jars(s3a=True)  # Delta's and S3A's, as a local session resolved them
+    # a local session resolved Delta's with S3A's: each executor would fetch S3A's 690 MB AWS SDK from the driver
+    recorded = ",".join(j for j in (recorded_delta_jars(s3a=True) or "").split(",")
+                        if j and not any(s in j for s in S3A_JARS))
     if recorded:
         return ["--jars", recorded]
     spark_minor = ".".join(pyspark.__version__.split(".")[:2])
