@@ -30,6 +30,7 @@ from .engine_host import (EngineClient, EngineDied, EngineGone, EngineRequest, E
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .engine_host.placement import task_gpus
 from .errors import ErrorCode, RequestError, truncate
+from .filesystems import S3Access, s3_access
 from .media import MediaPolicy, label, read_image
 from .schemas import RESULT_FIELDS
 
@@ -51,6 +52,7 @@ class InferContext:
     wave: int = 0
     metrics: Any = None  # a Spark accumulator of per-partition records for the progress line (see metrics.py), or None
     journal: Optional[str] = None  #: where partitions keep their quarantine journals (see quarantine.py)
+    journal_s3: Optional[S3Access] = None  #: how the tasks reach the journal's bucket (a journal on S3)
     run_id: str = ""               #: the run (an engine that cannot start is not tried again within it)
     #: planned partitions of the run before this model's (a batch of several models numbers them across its models)
     partition_offset: int = 0
@@ -72,6 +74,7 @@ class InferContext:
         return cls(engine=EngineSpec.from_config(cfg), served_model_name=cfg.served_model_name or "",
                    batch_id=run.batch_id, process=config_view(ProcessSettings, cfg), metrics=run.metrics,
                    journal=f"{run.paths.staging}/quarantine/{run.run_id}", run_id=run.run_id,
+                   journal_s3=s3_access(run.spark, run.paths.staging),
                    partition_offset=partition_offset, place=run.layout.place,
                    priority=PRIORITIES.index(cfg.priority), media=MediaPolicy.of(cfg),
                    classes=moderations.classes(labels, cfg.moderation_labels, cfg.moderation_threshold))
@@ -117,7 +120,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     for i, failure in unreadable.items():  # an image gone or changed since its tokens were counted
         answer(i, [failure])
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
-    journal = Journal.open(ctx.journal, ctx.partition(pdf))
+    journal = Journal.open(ctx.journal, ctx.partition(pdf), ctx.journal_s3)
     place = dataclasses.replace(ctx.place, gpus=tuple(gpus)) if gpus else ctx.place
     with engine_for(ctx.engine, ctx.process, place, ctx.run_id) as engine:
         engine.priority = ctx.priority

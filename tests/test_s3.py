@@ -10,12 +10,48 @@ import pytest
 
 from conftest import capture_logs, chat_line, engine_settings
 
-pytestmark = pytest.mark.engine
 
 
 def lines_of(client, bucket: str, key: str) -> list[dict]:
     body = client.get_object(Bucket=bucket, Key=key)["Body"].read().decode("utf-8")
     return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def test_s3_access_reads_hadoop_s_s3a_settings_a_bucket_s_own_first():
+    from spark_llm.filesystems import S3Access
+
+    conf = {"fs.s3a.endpoint": "http://127.0.0.1:9000/", "fs.s3a.path.style.access": "true",
+            "fs.s3a.access.key": "AK", "fs.s3a.secret.key": "SK", "fs.s3a.endpoint.region": "eu-west-1",
+            "fs.s3a.bucket.other.endpoint": "s3.eu-central-1.amazonaws.com",
+            "fs.s3a.bucket.other.path.style.access": "false", "fs.s3a.bucket.other.secret.key": "SK2"}
+    lake = S3Access.from_hadoop(conf, "lake")
+    assert (lake.endpoint, lake.scheme, lake.path_style, lake.region) == ("127.0.0.1:9000", "http", True, "eu-west-1")
+    assert (lake.access_key, lake.secret_key) == ("AK", "SK") and "SK" not in repr(lake)
+    other = S3Access.from_hadoop(conf, "other")
+    assert (other.endpoint, other.scheme, other.path_style, other.secret_key) == (
+        "s3.eu-central-1.amazonaws.com", "https", False, "SK2")
+    assert S3Access.from_hadoop({"fs.s3a.endpoint": "minio:9000", "fs.s3a.connection.ssl.enabled": "false"}).scheme \
+        == "http"
+    assert S3Access.from_hadoop({}) == S3Access()  # pyarrow's own chain: AWS_* variables, the instance role
+
+
+def test_a_quarantine_journal_on_s3_is_reached_with_the_session_s_s3a_settings(spark, s3):
+    """The inference tasks' Python opens the run's staging area with pyarrow: without the session's S3A endpoint and
+    keys it cannot (it would look for the bucket at AWS), and the journal fell back to the host's disk."""
+    from spark_llm.engine_host.isolation import Journal
+    from spark_llm.filesystems import s3_access
+
+    client = s3.client()
+    client.create_bucket(Bucket="journals")
+    base = "s3a://journals/run/_staging/quarantine/r1"
+    assert not Journal.open(base, 4).root.startswith("journals/")  # pyarrow alone: the host's disk
+    journal = Journal.open(base, 3, s3_access(spark, base))
+    marker = journal.mark(["req-1", "req-2"])
+    listed = [o["Key"] for o in client.list_objects_v2(Bucket="journals", Prefix="run/")["Contents"]]
+    assert f"run/_staging/quarantine/r1/p3/{marker.rsplit('/', 1)[1]}" in listed
+    assert Journal.open(base, 3, s3_access(spark, base)).deaths() == [frozenset({"req-1", "req-2"})]
+    journal.clear(marker)
+    assert Journal.open(base, 3, s3_access(spark, base)).deaths() == []
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +74,7 @@ def s3_run(spark, s3, tiny_model):
     return result, client, logs
 
 
+@pytest.mark.engine
 def test_a_prefix_of_files_in_a_bucket_runs_and_every_result_lands_in_the_bucket(spark, s3_run):
     from pyspark.sql import functions as F
 
@@ -63,6 +100,7 @@ def test_a_prefix_of_files_in_a_bucket_runs_and_every_result_lands_in_the_bucket
     assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
 
 
+@pytest.mark.engine
 def test_the_secret_key_is_in_no_object_and_no_log_line(s3, s3_run):
     _, client, logs = s3_run
     secret = _secret()

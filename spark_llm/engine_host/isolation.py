@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from ..filesystems import python_filesystem
+from ..filesystems import S3Access, python_filesystem
 from .directory import engine_dir
 
 log = logging.getLogger(__name__)
@@ -177,14 +177,14 @@ class Journal:
     root: str
 
     @classmethod
-    def open(cls, base: Optional[str], partition: int) -> Optional["Journal"]:
-        """The journal of ``partition`` under ``base`` (the run's staging area), or None without one. A base this
-        worker cannot open falls back to the engine directory of the host (retries on another host then start
-        afresh), with a warning."""
+    def open(cls, base: Optional[str], partition: int, s3: Optional[S3Access] = None) -> Optional["Journal"]:
+        """The journal of ``partition`` under ``base`` (the run's staging area; on S3 through ``s3``, the session's
+        S3A settings), or None without one. A base this worker cannot open falls back to the engine directory of
+        the host (retries on another host then start afresh), with a warning."""
         if not base:
             return None
         try:
-            filesystem, root = python_filesystem(f"{base.rstrip('/')}/p{partition}")
+            filesystem, root = python_filesystem(f"{base.rstrip('/')}/p{partition}", s3)
             filesystem.create_dir(root, recursive=True)
         except Exception as exc:
             root = str(engine_dir() / "journal" / base.strip("/").replace("/", "_").replace(":", "") / f"p{partition}")
