@@ -205,18 +205,45 @@ def read_text(spark: SparkSession, path: str) -> Optional[str]:
     return rows[0]["value"] if rows else ""
 
 
+#: Schemes of object stores where a written object appears whole when its writer closes, or not at all (S3A and GCS
+#: upload on close, in parts for a large one; a writer that dies leaves an upload nobody sees): a file written there
+#: needs no temp object and rename, which on S3 is a copy of the whole object.
+WHOLE_ON_CLOSE_SCHEMES = ("s3a", "s3", "s3n", "gs")
+
+
+def appears_whole_on_close(path: str) -> bool:
+    """``path`` is on an object store where a file appears whole or not at all (:data:`WHOLE_ON_CLOSE_SCHEMES`)."""
+    return path.split("://", 1)[0].lower() in WHOLE_ON_CLOSE_SCHEMES if "://" in path else False
+
+
 def write_text_atomic(spark: SparkSession, path: str, text: str) -> None:
-    """Write a small text file (e.g. batch.json) through a temp file and a rename."""
+    """Write a small text file (e.g. batch.json) whole or not at all: through a temp file and a rename, or, on an
+    object store (:func:`appears_whole_on_close`), in place."""
     if is_connect(spark):
         return _in_task(spark, _py_write_atomic, path, text.encode("utf-8"))
     with _writer(spark, path) as (fs, hpath):
-        tmp = hpath.suffix(".tmp")
-        out = fs.create(tmp, True)
-        try:
+        in_place = appears_whole_on_close(path)
+        tmp = hpath if in_place else hpath.suffix(".tmp")
+        with _created(fs, tmp, in_place) as out:
             out.write(bytearray(text.encode("utf-8")))
-        finally:
-            out.close()
-        _replace(fs, tmp, hpath)
+        if not in_place:
+            _replace(fs, tmp, hpath)
+
+
+@contextlib.contextmanager
+def _created(fs: Any, hpath: Any, in_place: bool) -> Iterator[Any]:
+    """A new file's output stream, closed when the block ends; when it fails, an object written in place is
+    aborted (its upload dropped: closing would publish what was written so far)."""
+    out = fs.create(hpath, True)
+    try:
+        yield out
+    except BaseException:
+        if in_place:
+            out.abort()  # Hadoop's Abortable (S3A): nothing appears
+        else:
+            out.close()  # a temp file, never renamed
+        raise
+    out.close()
 
 
 def _replace(fs: Any, src: Any, dst: Any) -> None:
@@ -229,7 +256,8 @@ def _replace(fs: Any, src: Any, dst: Any) -> None:
 def write_single_text_file(spark: SparkSession, lines: DataFrame, dest: str) -> None:
     """Write a one-column ``value`` frame as one text file at ``dest``: Spark writes part files, then the JVM
     concatenates them (in name order, i.e. the frame's order) through a temp file and a rename. Over Spark Connect
-    one task streams the (ordered) frame into the file instead."""
+    one task streams the (ordered) frame into the file instead. On an object store (:func:`appears_whole_on_close`)
+    the concatenation goes straight to ``dest``, without the temp file's copy."""
     if is_connect(spark):
         return _write_in_one_task(lines, dest)
     jvm = spark.sparkContext._jvm
@@ -239,20 +267,19 @@ def write_single_text_file(spark: SparkSession, lines: DataFrame, dest: str) -> 
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     with _writer(spark, dest) as (fs, dst):
         src = jvm.org.apache.hadoop.fs.Path(parts_dir)
-        tmp = dst.suffix(".tmp")
+        in_place = appears_whole_on_close(dest)
+        tmp = dst if in_place else dst.suffix(".tmp")
         parts = sorted((s.getPath() for s in fs.listStatus(src) if s.getPath().getName().startswith("part-")),
                        key=lambda p: p.getName())
-        out = fs.create(tmp, True)
-        try:
+        with _created(fs, tmp, in_place) as out:
             for part in parts:
                 stream = fs.open(part)
                 try:
                     jvm.org.apache.hadoop.io.IOUtils.copyBytes(stream, out, conf, False)
                 finally:
                     stream.close()
-        finally:
-            out.close()
-        _replace(fs, tmp, dst)
+        if not in_place:
+            _replace(fs, tmp, dst)
         fs.delete(src, True)
 
 

@@ -54,6 +54,25 @@ def test_a_quarantine_journal_on_s3_is_reached_with_the_session_s_s3a_settings(s
     assert Journal.open(base, 3, s3_access(spark, base)).deaths() == []
 
 
+def test_a_file_written_in_place_on_s3_appears_whole_or_not_at_all(spark, s3):
+    """On an object store the files are written in place, without a temp object and its copying rename; a write that
+    fails is aborted, and nothing appears (closing the stream would publish the bytes so far)."""
+    from spark_llm import storage
+
+    client = s3.client()
+    client.create_bucket(Bucket="inplace")
+    storage.write_text_atomic(spark, "s3a://inplace/run/batch.json", '{"status": "completed"}')
+    assert client.get_object(Bucket="inplace", Key="run/batch.json")["Body"].read() == b'{"status": "completed"}'
+    with pytest.raises(RuntimeError, match="mid-write"):
+        with storage._writer(spark, "s3a://inplace/run/output.jsonl") as (fs, hpath):
+            with storage._created(fs, hpath, in_place=True) as out:
+                out.write(bytearray(b'{"custom_id": "a"}\n'))
+                raise RuntimeError("mid-write")
+    listed = [o["Key"] for o in client.list_objects_v2(Bucket="inplace").get("Contents", [])]
+    assert listed == ["run/batch.json"]
+    assert storage.appears_whole_on_close("s3a://b/k") and not storage.appears_whole_on_close("/tmp/k")
+
+
 @pytest.fixture(scope="module")
 def s3_run(spark, s3, tiny_model):
     from spark_llm import BatchConfig
@@ -98,6 +117,17 @@ def test_a_prefix_of_files_in_a_bucket_runs_and_every_result_lands_in_the_bucket
     assert errors.where(F.col("code") == "invalid_json").first()["line_number"] == 4  # the blank line counted
     batch = json.loads(client.get_object(Bucket="lake", Key="results/run1/batch.json")["Body"].read())
     assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
+
+
+@pytest.mark.engine
+def test_the_openai_files_are_written_once_not_copied_from_a_temp_object(s3, s3_run):
+    """The server's request log: no temp object of the run's files was ever written (a rename on S3 copies)."""
+    from pathlib import Path
+
+    requests = Path(s3.log.name).read_text(errors="replace")
+    assert "PUT /lake/results/run1/output.jsonl " in requests or "/lake/results/run1/output.jsonl?uploads" in requests
+    for name in ("output.jsonl", "errors.jsonl", "batch.json", "settings.json", "report.html"):
+        assert f"/lake/results/run1/{name}.tmp" not in requests, name
 
 
 @pytest.mark.engine
