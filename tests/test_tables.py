@@ -186,16 +186,26 @@ def test_catalog_table_run_into_managed_result_tables_and_the_same_batch_id(spar
 
 
 @pytest.mark.engine
-def test_crash_after_first_wave_then_resume_is_exactly_once(spark, tiny_model, tmp_path):
+def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tiny_model, tmp_path):
+    """The driver dies (exit 137, as kill -9) after its first wave's commit, everything in a bucket: input, tables,
+    staging, files; the resumed run answers each line once. The dying run's session takes its S3A settings from the
+    config's spark: section, as a user's does."""
+    import yaml
+
+    client = s3.client()
+    client.create_bucket(Bucket="crashy")
     lines = [chat_line(f"w{i:02d}", f"request number {i} " * (1 + i % 5), temperature=0, max_tokens=4)
              for i in range(6)]
     lines.append(chat_line("rejected", "Hi", max_tokens=2, logprobs=True, top_logprobs=5))  # engine_error
     lines.append("garbage line")
-    write_jsonl(tmp_path / "in.jsonl", lines)
-    out = tmp_path / "out"
+    client.put_object(Bucket="crashy", Key="in/in.jsonl",
+                      Body=write_jsonl(tmp_path / "in.jsonl", lines).read_bytes())
+    source, out = "s3a://crashy/in/in.jsonl", "s3a://crashy/out"
+    config = tmp_path / "s3.yaml"
+    config.write_text(yaml.safe_dump({"spark": {f"spark.hadoop.{k}": v for k, v in s3.hadoop_settings().items()}}))
     settings = engine_settings(tiny_model)
-    args = [sys.executable, "-m", "spark_llm.cli", "run", "--input", str(tmp_path / "in.jsonl"),
-            "--output-dir", str(out), "--batch-id", "crashy", "--master", "local[1]", "--wave-partitions", "1",
+    args = [sys.executable, "-m", "spark_llm.cli", "run", "--config", str(config), "--input", source,
+            "--output-dir", out, "--batch-id", "crashy", "--master", "local[1]", "--wave-partitions", "1",
             "--target-tokens-per-partition", "60", "--num-task-slots", "1"]
     for key in ("model", "served_model_name", "max_model_len", "max_num_seqs", "dtype", "kv_cache_memory_bytes",
                 "default_max_tokens"):
@@ -207,10 +217,10 @@ def test_crash_after_first_wave_then_resume_is_exactly_once(spark, tiny_model, t
     assert "fault injection: driver exits after wave 1" in proc.stderr
     waves = re.search(r"wave 1/(\d+) committed", proc.stderr)
     assert waves and int(waves.group(1)) >= 3, proc.stderr[-3000:]  # a handful of requests over several waves
-    first_wave = spark.read.format("delta").load(str(out / "delta/outputs")).count()
+    first_wave = spark.read.format("delta").load(f"{out}/delta/outputs").count()
     assert 0 < first_wave < 6
 
-    cfg = dict(input=str(tmp_path / "in.jsonl"), output_dir=str(out), batch_id="crashy", resume=True,
+    cfg = dict(input=source, output_dir=out, batch_id="crashy", resume=True,
                **{**settings, "target_tokens_per_partition": 60})  # the rest in one wave
     resumed = run_batch(spark, BatchConfig(**cfg))
     outs = spark.read.format("delta").load(resumed.outputs_table)
@@ -218,12 +228,12 @@ def test_crash_after_first_wave_then_resume_is_exactly_once(spark, tiny_model, t
     assert resumed.skipped >= first_wave + 1  # the first wave's rows and the validation error were not redone
     assert outs.count() == 6 and outs.select("custom_id").distinct().count() == 6
     assert sorted(r["code"] for r in errs.collect()) == ["engine_error", "invalid_json"]
-    assert len(Path(resumed.output_file).read_text().splitlines()) == 6
-    assert json.loads(Path(resumed.batch_file).read_text())["request_counts"] == {"total": 8, "completed": 6,
-                                                                                  "failed": 2}
+    read = lambda name: client.get_object(Bucket="crashy", Key=f"out/{name}")["Body"].read().decode()  # noqa: E731
+    assert len(read("output.jsonl").splitlines()) == 6
+    assert json.loads(read("batch.json"))["request_counts"] == {"total": 8, "completed": 6, "failed": 2}
 
     # the report describes the whole batch: the crashed run's committed wave and the resumed run's waves
-    metrics = spark.read.format("delta").load(str(out / "delta/metrics")).collect()
+    metrics = spark.read.format("delta").load(f"{out}/delta/metrics").collect()
     plan = resumed.batch.partition_plan
     assert plan["runs"] == 2 == len({m["run_id"] for m in metrics})
     assert plan["partitions_run"] == len(metrics) and sum(m["rows"] for m in metrics) == 7  # 6 answered + 1 rejected
