@@ -80,6 +80,13 @@ class S3Server:
                 "fs.s3a.access.key": ACCESS_KEY, "fs.s3a.secret.key": SECRET_KEY}
 
 
+def environment(server: S3Server) -> dict[str, str]:
+    """The standard environment variables that reach ``server`` (pyarrow and boto3 read them; so does the AWS SDK
+    of Hadoop's S3A connector for the keys)."""
+    return {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION}
+
+
 if __name__ == "__main__":
     server = S3Server().start()
     print(server.endpoint, flush=True)

@@ -144,6 +144,12 @@ snapshot_download(repo, local_dir=dest, ignore_patterns=ignore)
 """
 
 
+def local_adapters(lora_modules: dict[str, str]) -> dict[str, str]:
+    """LoRA adapters (name -> directory) on local disk, as vLLM loads them: one given as a URI is this host's copy
+    (:func:`local_copy`, all of it: an adapter is small), a local directory stays where it is."""
+    return {name: local_copy(path) for name, path in lora_modules.items()}
+
+
 def with_local_paths(llm_kwargs: dict) -> dict:
     """``vllm.LLM`` arguments with the model (all of it) and the tokenizer (its small files) on local disk."""
     out = dict(llm_kwargs)
@@ -255,12 +261,14 @@ def _config(model: str) -> dict:
 
 
 def check_adapters(lora_modules: dict[str, str], max_lora_rank: int) -> None:
-    """Every LoRA adapter directory exists (local paths; other filesystems are read by the engine) and fits
-    max_lora_rank; else the batch stops here, before any work, with one message."""
+    """Every LoRA adapter directory exists and fits max_lora_rank; else the batch stops here, before any work, with
+    one message. An adapter given as a URI is read from this host's copy of its small files."""
     for name, path in sorted(lora_modules.items()):
-        if "://" in path:
-            continue
-        config_file = Path(path) / "adapter_config.json"
+        try:
+            config_file = Path(local_copy(path, weights=False)) / "adapter_config.json"
+        except ModelSourceError as exc:
+            raise ConfigError(f"LoRA adapter {name!r}: {str(exc).split('; give')[0]}; give --lora-modules "
+                              f"{name}=<adapter directory or URI readable on every executor>") from None
         try:
             rank = int(json.loads(config_file.read_text()).get("r") or 0)
         except (OSError, ValueError) as exc:

@@ -50,16 +50,31 @@ def postgres():
 
 
 @pytest.fixture(scope="session")
-def s3(spark):
-    """A real S3 API for this test run (scripts/s3_server.py: moto's server on 127.0.0.1), and the shared session's
-    S3A connector pointed at it (Hadoop settings of the running session: each bucket's filesystem is made at its
-    first use, after these). Its ``client()`` is boto3's."""
-    server = _load_script("s3_server").S3Server().start()
-    hadoop = spark.sparkContext._jsc.hadoopConfiguration()
-    for key, value in server.hadoop_settings().items():
-        hadoop.set(key, value)
+def s3_server():
+    """A real S3 API for this test run (scripts/s3_server.py: moto's server on 127.0.0.1), started before Spark:
+    its endpoint and keys are in this process's environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` ...), the
+    standard place pyarrow reads them from, which the local session's workers and engines inherit."""
+    script = _load_script("s3_server")
+    server = script.S3Server().start()
+    saved = {k: os.environ.get(k) for k in script.environment(server)}
+    os.environ.update(script.environment(server))
     yield server
     server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def s3(spark, s3_server):
+    """:func:`s3_server`, with the shared session's S3A connector pointed at it (Hadoop settings of the running
+    session: each bucket's filesystem is made at its first use, after these). Its ``client()`` is boto3's."""
+    hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+    for key, value in s3_server.hadoop_settings().items():
+        hadoop.set(key, value)
+    return s3_server
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +90,7 @@ def model_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def spark(tmp_path_factory, kill_marker, engine_dir, model_cache):
+def spark(tmp_path_factory, kill_marker, engine_dir, model_cache, s3_server):
     from spark_llm.engine_host import ENGINE_DIR_ENV
     from spark_llm.faults import FAULT_ENV
     from spark_llm.models import MODEL_CACHE_ENV

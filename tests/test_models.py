@@ -121,6 +121,27 @@ def test_the_engine_gets_local_paths(model_dir, cache):
     assert kwargs["tokenizer"] == kwargs["model"]  # the full copy serves the tokenizer too
 
 
+def test_a_lora_adapter_given_as_a_uri_is_copied_to_the_host_and_its_rank_checked(tmp_path, cache):
+    """An adapter on a filesystem URI went to vLLM as the URI (every request for it an error row) and its rank was
+    not checked; now the driver reads its config from this host's copy, the engine loads the copy."""
+    from spark_llm.config import ConfigError
+
+    adapter = tmp_path / "store" / "sql-adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text('{"r": 16, "peft_type": "LORA"}')
+    (adapter / "adapter_model.safetensors").write_bytes(os.urandom(1024))
+    uri = f"file://{adapter}"
+    with pytest.raises(ConfigError, match="rank 16, over max_lora_rank 8"):
+        models.check_adapters({"sql": uri}, max_lora_rank=8)
+    models.check_adapters({"sql": uri}, max_lora_rank=16)
+    local = models.local_adapters({"sql": uri, "here": str(adapter)})
+    assert local["here"] == str(adapter) and Path(local["sql"]).parent == cache
+    assert (Path(local["sql"]) / "adapter_model.safetensors").read_bytes() == (
+        adapter / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="LoRA adapter 'gone': cannot list the model at file://.*--lora-modules"):
+        models.check_adapters({"gone": f"file://{tmp_path}/missing"}, max_lora_rank=16)
+
+
 def test_a_dry_run_reads_a_model_given_as_a_uri(spark, tiny_model, tmp_path, cache):
     """The driver reads the model's settings and the tasks its tokenizer from the URI, without its weights."""
     from conftest import chat_line, engine_settings, write_jsonl

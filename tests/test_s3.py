@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import capture_logs, chat_line, engine_settings
+from conftest import ADAPTER, capture_logs, chat_line, engine_settings, write_jsonl
 
 
 
@@ -35,7 +35,7 @@ def test_s3_access_reads_hadoop_s_s3a_settings_a_bucket_s_own_first():
     assert S3Access.from_hadoop({}) == S3Access()  # pyarrow's own chain: AWS_* variables, the instance role
 
 
-def test_a_quarantine_journal_on_s3_is_reached_with_the_session_s_s3a_settings(spark, s3):
+def test_a_quarantine_journal_on_s3_is_reached_with_the_session_s_s3a_settings(spark, s3, monkeypatch):
     """The inference tasks' Python opens the run's staging area with pyarrow: without the session's S3A endpoint and
     keys it cannot (it would look for the bucket at AWS), and the journal fell back to the host's disk."""
     from spark_llm.engine_host.isolation import Journal
@@ -44,6 +44,7 @@ def test_a_quarantine_journal_on_s3_is_reached_with_the_session_s_s3a_settings(s
     client = s3.client()
     client.create_bucket(Bucket="journals")
     base = "s3a://journals/run/_staging/quarantine/r1"
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the session's settings only, as on a cluster whose Hadoop has them
     assert not Journal.open(base, 4).root.startswith("journals/")  # pyarrow alone: the host's disk
     journal = Journal.open(base, 3, s3_access(spark, base))
     marker = journal.mark(["req-1", "req-2"])
@@ -145,3 +146,33 @@ def _secret() -> str:
     from conftest import _load_script
 
     return _load_script("s3_server").SECRET_KEY
+
+
+@pytest.mark.engine
+def test_a_model_and_its_lora_adapter_on_s3_are_copied_once_per_host_and_used(spark, s3, tiny_model, tmp_path,
+                                                                              model_cache):
+    """``--model s3a://...`` and an adapter on ``s3a://`` (which went to vLLM as the URI: every adapter row an error):
+    each copied to the host's model cache once, credentials and endpoint from the environment (AWS_*)."""
+    from pathlib import Path
+
+    from spark_llm import BatchConfig
+    from spark_llm.pipeline import run_batch
+
+    client = s3.client()
+    client.create_bucket(Bucket="models")
+    for local, prefix in ((Path(tiny_model), "tiny-llm"), (Path(tiny_model).parent / ADAPTER, ADAPTER)):
+        for f in local.rglob("*"):
+            if f.is_file():
+                client.upload_file(str(f), "models", f"{prefix}/{f.relative_to(local)}")
+    lines = [chat_line("base", "hello", max_tokens=4), chat_line("tuned", "hello", max_tokens=4, model=ADAPTER)]
+    settings = {**engine_settings(tiny_model), "model": "s3a://models/tiny-llm",
+                "lora_modules": {ADAPTER: f"s3a://models/{ADAPTER}"}}
+    result = run_batch(spark, BatchConfig(input=str(write_jsonl(tmp_path / "in.jsonl", lines)),
+                                          output_dir=str(tmp_path / "out"), batch_id="b-s3-model", **settings))
+    assert (result.completed, result.failed) == (2, 0)
+    answers = {json.loads(line)["custom_id"]: json.loads(line)["response"]["body"]
+               for line in Path(result.paths.output_file).read_text().splitlines()}
+    assert answers["tuned"]["model"] == ADAPTER and answers["base"]["model"] == "tiny-llm"
+    copies = sorted(p.name for p in model_cache.iterdir() if p.is_dir() and "s3a" in p.name)
+    assert any(ADAPTER in c for c in copies) and any("tiny-llm" in c and not c.endswith("-meta") for c in copies)
+    assert not [p for p in model_cache.iterdir() if ".partial-" in p.name]

@@ -774,7 +774,9 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
             from ..endpoints.engine_side import Parsers
 
             server.engine = build_engine(spec, copying)
-            server.adapters = lora_requests(spec.settings.get("lora_modules") or {})
+            from ..models import local_adapters
+
+            server.adapters = lora_requests(local_adapters(spec.settings.get("lora_modules") or {}))  # URIs copied
             server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
                                      spec.settings.get("reasoning_parser"))
         server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs
