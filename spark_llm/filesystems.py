@@ -8,11 +8,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-#: Hadoop's S3A settings an :class:`S3Access` reads (after ``fs.s3a.``; ``fs.s3a.bucket.<name>.`` first).
-S3A_KEYS = ("endpoint", "endpoint.region", "path.style.access", "connection.ssl.enabled", "access.key",
-            "secret.key", "session.token")
-
-
 @dataclass(frozen=True)
 class S3Access:
     """How a Python process reaches a bucket the way the JVM's S3A connector does: the endpoint, region and keys of
@@ -30,10 +25,11 @@ class S3Access:
     @classmethod
     def from_hadoop(cls, conf: Mapping[str, str], bucket: str = "") -> "S3Access":
         """The access to ``bucket`` that Hadoop settings ``conf`` (``fs.s3a.*`` keys) describe."""
-        def get(key: str) -> Optional[str]:
+        def get(key: str) -> Optional[str]:  # a bucket's own setting first; an empty one is unset
             value = conf.get(f"fs.s3a.bucket.{bucket}.{key}") if bucket else None
-            value = value if value is not None else conf.get(f"fs.s3a.{key}")
-            return value.strip() or None if value is not None else None
+            if value is None:
+                value = conf.get(f"fs.s3a.{key}")
+            return (value or "").strip() or None
 
         endpoint, scheme = get("endpoint"), "https"
         if endpoint and "://" in endpoint:
