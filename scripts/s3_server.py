@@ -7,6 +7,7 @@ the tests through boto3: both over HTTP, as against AWS.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -47,6 +48,7 @@ class S3Server:
         while True:
             if self.process.poll() is not None:
                 err = open(self.log.name, encoding="utf-8", errors="replace").read()
+                self.stop()
                 raise RuntimeError(f"the S3 server (moto) exited with {self.process.returncode}: {err[-2000:]}")
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2):
@@ -58,6 +60,7 @@ class S3Server:
                 time.sleep(0.2)
 
     def stop(self) -> None:
+        """Stop the server and remove its log."""
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -65,6 +68,9 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.log.close()
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
 
     def client(self):
         """A boto3 S3 client of this server."""

@@ -8,6 +8,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+#: URI prefixes of S3 buckets (Hadoop's connectors' spellings; pyarrow's is ``s3://``).
+S3_PREFIXES = ("s3a://", "s3n://", "s3://")
+
+
 @dataclass(frozen=True)
 class S3Access:
     """How a Python process reaches a bucket the way the JVM's S3A connector does: the endpoint, region and keys of
@@ -61,14 +65,12 @@ class S3Access:
 def s3_access(spark: Any, uri: Optional[str]) -> Optional[S3Access]:
     """The :class:`S3Access` of ``uri``'s bucket that a classic session's Hadoop settings describe; None for a path
     that is not on S3 or a Spark Connect session (whose Hadoop settings are the server's)."""
-    if not uri or not uri.startswith(("s3a://", "s3n://", "s3://")):
+    from .session import is_connect
+
+    if not uri or not uri.startswith(S3_PREFIXES) or is_connect(spark):
         return None
-    try:
-        jconf = spark.sparkContext._jsc.hadoopConfiguration()
-    except Exception:  # Spark Connect: no JVM in this process
-        return None
-    props = jconf.getPropsWithPrefix("fs.s3a.")
-    conf = {f"fs.s3a.{k}": jconf.get(f"fs.s3a.{k}") for k in props.keySet()}
+    props = spark.sparkContext._jsc.hadoopConfiguration().getPropsWithPrefix("fs.s3a.")
+    conf = {f"fs.s3a.{k}": v for k, v in props.items()}
     return S3Access.from_hadoop(conf, uri.split("://", 1)[1].split("/", 1)[0])
 
 
@@ -92,7 +94,7 @@ def python_filesystem(uri: str, s3: Optional[S3Access] = None) -> tuple[Any, str
     ``abfss://``, ``hdfs://``)."""
     from pyarrow import fs
 
-    if s3 is not None and uri.startswith(("s3a://", "s3n://", "s3://")):
+    if s3 is not None and uri.startswith(S3_PREFIXES):
         return s3.filesystem(), uri.split("://", 1)[1]
 
     if uri.startswith("dbfs:/"):
