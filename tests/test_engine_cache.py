@@ -86,3 +86,31 @@ def test_engines_started_together_are_forked_from_one_process_each_failing_on_it
     assert len({e["pid"] for e in starts} | {launcher}) == 3  # an engine process per slot, neither the launcher
     for slot, start in zip(slots, sorted(starts, key=lambda e: e["slot"])):
         assert f"engine[{start['pid']}]" in slot.path(".log").read_text()  # each in its own slot's log
+
+
+def test_a_running_engine_has_vllm_s_usage_report_and_the_hub_off(spark, tiny_model, engine_dir):
+    """Read from the environment of the engine process that answered a task (while it runs), judged by vLLM's and
+    huggingface_hub's own code in a process started with that environment."""
+    import json
+    import subprocess
+    import sys
+
+    spec = EngineSpec.from_config(BatchConfig(**engine_settings(tiny_model)).resolved(max_model_len=1024))
+
+    run = probe(spec, [5, 6, 7])  # the closure travels by value; this module is not on the workers' path
+
+    def engine_environ(batches):
+        for out in run(batches):
+            pid = int(out["engine"][0])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+            yield pd.DataFrame({"environ": [json.dumps({k.decode(): v.decode(errors="replace") for k, v in pairs})]})
+
+    [row] = spark.range(0, 1, 1, numPartitions=1).mapInPandas(engine_environ, "environ string").collect()
+    environ = json.loads(row["environ"])
+    judged = subprocess.run(
+        [sys.executable, "-c", "from vllm.usage.usage_lib import is_usage_stats_enabled as on; "
+                               "from huggingface_hub import constants as c; "
+                               "print(on(), c.HF_HUB_OFFLINE, c.HF_HUB_DISABLE_TELEMETRY)"],
+        env=environ, capture_output=True, text=True, check=True)
+    assert judged.stdout.split() == ["False", "True", "True"]

@@ -136,6 +136,22 @@ def test_a_local_driver_starts_its_executor_s_engines_with_the_environment_its_p
     assert not prestart(spec, process, slot, Executor(31337, env)) and len(spawned) == 1
 
 
+def test_an_engine_process_calls_nothing_outside_unless_its_executor_says_so():
+    """vLLM's usage report and the hub's telemetry are off in an engine's environment, the hub offline; a value the
+    executor sets wins (a user who opts in), and the GPUs it is given are the ones it sees."""
+    from spark_llm.engine_host.spec import engine_environment
+
+    env = engine_environment({"PATH": "/bin"}, (), "WARNING", {})
+    assert {k: env[k] for k in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_OFFLINE")} \
+        == dict.fromkeys(("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_OFFLINE"), "1")
+    assert env["PATH"] == "/bin" and "CUDA_VISIBLE_DEVICES" not in env and env["VLLM_LOGGING_LEVEL"] == "WARNING"
+    opted_in = engine_environment({"VLLM_NO_USAGE_STATS": "0", "HF_HUB_OFFLINE": "0"}, ("3", "1"), "INFO",
+                                  {"TRITON_HOME": "/e/cache/triton"})
+    assert opted_in["VLLM_NO_USAGE_STATS"] == "0" and opted_in["HF_HUB_OFFLINE"] == "0"
+    assert opted_in["CUDA_VISIBLE_DEVICES"] == "3,1" and opted_in["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert opted_in["TRITON_HOME"] == "/e/cache/triton"
+
+
 def test_cpu_slots_started_together_share_one_process_that_forks_their_engines_gpu_slots_get_one_each(
         tmp_path, monkeypatch):
     from spark_llm import host

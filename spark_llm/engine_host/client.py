@@ -55,7 +55,7 @@ from .directory import (STOP_TIMEOUT_SECONDS, SlotFile, Slot, alive, copy_second
 from .placement import TaskPlace, local_gpus, unscheduled_gpus
 from .protocol import (STREAM_CHUNK, Ask, EngineDied, EngineGone, EngineRequest, Output, Reply, RequestFailure,
                        SlotRecord)
-from .spec import EngineSpec, ProcessSettings, apply_worker_env, cache_env, home_writable
+from .spec import EngineSpec, ProcessSettings, cache_env, engine_environment, home_writable
 
 log = logging.getLogger(__name__)
 
@@ -492,17 +492,13 @@ def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
             os.unlink(slot.socket())
     spec_file = first.path(SlotFile.SPEC)
     spec_file.write_text(json.dumps(spec.settings, default=str))
-    env = dict(executor.environ if executor is not None else os.environ)
-    apply_worker_env(env)
-    if caches := cache_env(env, home_writable(env), str(engine_dir() / "cache")):
-        log.info("HOME (%s) is not writable: the engine's caches go under %s", env.get("HOME"), engine_dir() / "cache")
+    environ = dict(executor.environ if executor is not None else os.environ)
+    if caches := cache_env(environ, home_writable(environ), str(engine_dir() / "cache")):
+        log.info("HOME (%s) is not writable: the engine's caches go under %s", environ.get("HOME"),
+                 engine_dir() / "cache")
         for directory in caches.values():
             os.makedirs(directory, mode=0o700, exist_ok=True)
-        env.update(caches)
-    env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_LOGGING_LEVEL=process.engine_log_level)
-    if first.devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(first.devices)
-        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    env = engine_environment(environ, first.devices, process.engine_log_level, caches)
     cmd = [sys.executable, "-m", "spark_llm.engine_host.server", *[a for s in slots for a in ("--slot", s.name)],
            "--devices", ",".join(first.devices), "--spec-file", str(spec_file), "--key", spec.key,
            "--watch-pid", str(executor.pid if executor is not None else executor_pid()),

@@ -71,6 +71,30 @@ def home_writable(environ: Mapping[str, str]) -> bool:
     return os.path.isdir(home) and os.access(home, os.W_OK | os.X_OK)
 
 
+#: What keeps an engine from calling out unless told to (a variable the executor sets wins): vLLM's usage statistics
+#: (a report to stats.vllm.ai at each engine start, then every ten minutes), and the telemetry of Hugging Face's
+#: libraries and others that honour the DO_NOT_TRACK convention. Given to the engine processes only, not to a local
+#: session's driver (the user's own process).
+NO_CALLS_OUT_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+
+
+def engine_environment(environ: Mapping[str, str], devices: tuple[str, ...], log_level: str,
+                       caches: Mapping[str, str]) -> dict[str, str]:
+    """The environment of an engine process started from ``environ`` (its executor's): the engines' defaults
+    (:data:`WORKER_ENV_DEFAULTS`, :data:`NO_CALLS_OUT_ENV`) where ``environ`` does not say otherwise, the cache
+    directories ``caches`` (:func:`cache_env`), vLLM's log level, and ``devices``, the GPUs it may see."""
+    env = {**NO_CALLS_OUT_ENV, **WORKER_ENV_DEFAULTS, **environ, **caches}
+    env.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_LOGGING_LEVEL=log_level)
+    if devices:  # Spark's addresses are nvidia-smi's indices: PCI bus order, not CUDA's default order
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    return env
+
+
 def apply_worker_env(environ: Optional[MutableMapping[str, str]] = None) -> None:
     """Set :data:`WORKER_ENV_DEFAULTS` where the environment does not already say otherwise."""
     env = os.environ if environ is None else environ
