@@ -7,6 +7,7 @@ the tests through boto3: both over HTTP, as against AWS.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Optional
+from typing import Iterator, Optional
 
 #: Seconds the server may take to answer its first request (its imports: some 3 s here).
 START_SECONDS = 60.0
@@ -71,6 +72,21 @@ class S3Server:
         self.log.close()
         if os.path.exists(self.log.name):
             os.unlink(self.log.name)
+
+    @contextlib.contextmanager
+    def checking_keys(self) -> Iterator[None]:
+        """While within: the server checks every request's key, as AWS does, and knows none (moto's IAM holds no
+        user), so each is refused as AWS refuses a wrong key (403 InvalidAccessKeyId); by default it takes any."""
+        def auth_after(count: str) -> None:
+            request = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
+                                             headers={"Content-Type": "text/plain"})  # not a form: moto reads the body
+            with urllib.request.urlopen(request, timeout=10):
+                pass
+        auth_after("0")
+        try:
+            yield
+        finally:
+            auth_after("inf")
 
     def client(self):
         """A boto3 S3 client of this server."""

@@ -23,6 +23,9 @@ The value is one or more faults separated by ``;``:
   wave in flight, for as long as a test needs one.
 - ``hold_commit_until:<release path>:<custom_id>`` (driver): the commit of a wave holding that request waits likewise,
   its inference ended: while the batch's last wave commits, none of its waves is in flight.
+- ``hold_read_until:<release path>`` (driver): the reading of JSONL input files waits, once they are listed and
+  before a line is read, until the file ``<release path>`` exists (after creating ``<release path>.held``): a file
+  can be deleted or replaced between the two, as by another job while the batch runs.
 - ``meet_before_engine_call:<directory>:<custom_id prefix>:<N>`` (executors): an engine call holding a request
   whose custom_id starts with the prefix waits, before it starts, until N such calls have arrived (each leaves a
   file in the directory; 10 minutes at most): N partitions on N engines at once.
@@ -145,6 +148,12 @@ def before_commit(staged: Any) -> None:
 
     for row in staged.where(F.col("custom_id").isin(list(holds))).select("custom_id").distinct().collect():
         _hold(holds[row["custom_id"]], f"the commit of the wave holding {row['custom_id']!r}")
+
+
+def before_reading_input() -> None:
+    """``hold_read_until``: called by the driver once the input files are listed, before their lines are read."""
+    for args in _faults("hold_read_until"):
+        _hold(args[0], "the reading of the input files")
 
 
 def _hold(release: str, what: str) -> None:

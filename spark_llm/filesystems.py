@@ -5,8 +5,10 @@ service's files)."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from enum import Enum
+from typing import Any, Mapping, NamedTuple, Optional
 
 #: URI prefixes of S3 buckets (Hadoop's connectors' spellings; pyarrow's is ``s3://``).
 S3_PREFIXES = ("s3a://", "s3n://", "s3://")
@@ -72,6 +74,59 @@ def s3_access(spark: Any, uri: Optional[str]) -> Optional[S3Access]:
     props = spark.sparkContext._jsc.hadoopConfiguration().getPropsWithPrefix("fs.s3a.")
     conf = {f"fs.s3a.{k}": v for k, v in props.items()}
     return S3Access.from_hadoop(conf, uri.split("://", 1)[1].split("/", 1)[0])
+
+
+class Refusal(str, Enum):
+    """Why a store refused the job, each with what the user can change."""
+
+    NO_BUCKET = "the bucket does not exist at the endpoint the job reaches (check the path, or the endpoint: " \
+                "fs.s3a.endpoint, fs.s3a.bucket.<bucket>.endpoint or AWS_ENDPOINT_URL)"
+    CREDENTIALS = "the store refused the credentials (check the access and secret key: fs.s3a.access.key and " \
+                  "fs.s3a.secret.key, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, the credentials file, or the " \
+                  "instance role; a session token that expired is refused the same way)"
+    DENIED = "the store refused access (403): the credentials are wrong (a refused HEAD request does not say " \
+             "which), or not allowed to do this (the key or role needs s3:ListBucket on the bucket, s3:GetObject to " \
+             "read, s3:PutObject and s3:DeleteObject to write under the path)"
+    GONE = "a file was deleted or replaced while the batch read it (restore it, or take it out of the input, and " \
+           "run again: --resume keeps what was answered)"
+    UNREACHABLE = "the store's endpoint cannot be reached (check the endpoint and the network between the cluster " \
+                  "and it: fs.s3a.endpoint or AWS_ENDPOINT_URL)"
+
+
+class StoreFailure(NamedTuple):
+    """A store's refusal read from a failure's text (:func:`store_failure`): the reason and the store's own words."""
+
+    reason: Refusal
+    detail: str
+
+    def message(self, path: str, setting: str) -> str:
+        return f"{setting} {path!r}: {self.reason.value}. The store said: {self.detail}"
+
+
+#: The failures :func:`store_failure` knows, in the order it tries them, by what their text holds: the S3 error code
+#: (AWS SDK, any client) or the Java exception that Hadoop's connectors (S3A, ABFS, GCS) and Spark raise.
+_REFUSALS = (
+    (Refusal.NO_BUCKET, re.compile(r"NoSuchBucket|UnknownStoreException|The specified bucket does not exist"
+                                   r"|ContainerNotFound|FileSystem .* doesn't exist")),
+    (Refusal.CREDENTIALS, re.compile(r"InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|InvalidToken"
+                                     r"|NoAuthWithAWSException|No AWS Credentials|InvalidAuthenticationInfo")),
+    (Refusal.DENIED, re.compile(r"AccessDenied|AuthorizationPermissionMismatch|403 Forbidden|Status Code: 403")),
+    (Refusal.GONE, re.compile(r"FAILED_READ_FILE\.FILE_NOT_EXIST|java\.io\.FileNotFoundException")),
+    (Refusal.UNREACHABLE, re.compile(r"java\.net\.UnknownHostException|java\.net\.ConnectException"
+                                     r"|Connection refused|Unable to execute HTTP request")),
+)
+#: The store's words kept in a message: the first line that names the refusal, at most this long.
+_DETAIL_CHARS = 300
+
+
+def store_failure(text: str) -> Optional[StoreFailure]:
+    """The store's refusal that a failure's text (a Java stack as PySpark shows it, or a Python client's message)
+    tells of; None for any other failure. Pure: the texts are all it reads."""
+    for reason, pattern in _REFUSALS:
+        if (found := pattern.search(text)) is not None:
+            line = next(ln for ln in text.splitlines() if found.group(0) in ln).strip(" :\t")
+            return StoreFailure(reason, line if len(line) <= _DETAIL_CHARS else line[:_DETAIL_CHARS] + "...")
+    return None
 
 
 def file_uri_path(uri: str) -> Optional[str]:

@@ -20,7 +20,7 @@ from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from . import write
+from . import storage, write
 from .batch import BatchResult
 from .config import BatchConfig
 from .context import RunContext, RunListener
@@ -75,7 +75,9 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
     requests = ready.rows.persist(StorageLevel.MEMORY_AND_DISK)
     pending = requests
     try:
-        counts = ready.local.outcomes() if ready.local is not None else count_outcomes(requests)
+        with storage.refusals_explained(run.cfg.input_table or run.cfg.input,  # the input's lines are read here
+                                        "--input-table" if run.cfg.input_table else "--input"):
+            counts = ready.local.outcomes() if ready.local is not None else count_outcomes(requests)
         check_size(counts, run.cfg)
         in_progress_at = int(time.time())
         todo = counts

@@ -12,12 +12,12 @@ import glob
 import logging
 import os
 import urllib.parse
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from . import storage
+from . import faults, storage
 from .config import ConfigError
 from .filesystems import python_filesystem
 from .schemas import json_string
@@ -27,6 +27,23 @@ log = logging.getLogger(__name__)
 
 #: Compressed inputs: their file size says nothing about their lines, so the over-long-line guard is off for them.
 _COMPRESSED = (".gz", ".bz2", ".zst", ".lz4", ".snappy", ".deflate", ".xz", ".zstd")
+#: Files of a table or sheet format, never JSON lines: a directory holding only these is not a batch's input.
+_NOT_JSONL = (".parquet", ".orc", ".avro", ".csv", ".tsv", ".xlsx", ".crc", ".zip", ".tar")
+
+
+def files_problem(path: str, files: Sequence[str]) -> Optional[str]:
+    """What is wrong with the files an input directory or glob ``path`` lists, if anything: none (every name hidden,
+    ``_``/``.``, as a Spark job's ``_SUCCESS``), or none that can hold JSON lines (a table's Parquet files, a CSV
+    export). Files named otherwise (``part-00000``, ``*.jsonl``, ``*.txt``) are read: their lines are checked one by
+    one."""
+    if not files:
+        return f"input {path!r} holds no file to read (names starting with _ or . are skipped) (--input)"
+    if all(f.lower().endswith(_NOT_JSONL) for f in files):
+        kinds = sorted({f.rsplit(".", 1)[-1].lower() for f in files})
+        return (f"input {path!r} holds no JSONL file, only {', '.join(kinds)} ({len(files)} file(s), e.g. "
+                f"{files[0]}): give the directory or file of the batch's JSON lines (--input), or a table as "
+                f"--input-table or a Delta path")
+    return None
 
 
 def read_lines(spark: SparkSession, path: str, max_line_bytes: int = 16 << 20) -> DataFrame:
@@ -46,6 +63,8 @@ def read_lines(spark: SparkSession, path: str, max_line_bytes: int = 16 << 20) -
     if storage.is_dir(spark, path):
         reader = reader.option("recursiveFileLookup", "true")
     files = reader.load(path).inputFiles()  # the listing Spark makes anyway: file names only
+    if (problem := files_problem(path, files)) is not None:
+        raise ConfigError(problem)
     guarded = not any(f.lower().endswith(_COMPRESSED) for f in files)
     if guarded:
         reader = reader.option("mapreduce.input.linerecordreader.line.maxlength", str(max_line_bytes + 1))
@@ -58,6 +77,7 @@ def read_lines(spark: SparkSession, path: str, max_line_bytes: int = 16 << 20) -
         F.col("_metadata.file_size").alias("file_size"),
         F.monotonically_increasing_id().alias("_pos"),
     )
+    faults.before_reading_input()
     splits = lines.groupBy("file", "block_start").agg(
         F.count(F.lit(1)).alias("_n"), F.min("_pos").alias("_first"), F.sum(F.length("value")).alias("_bytes"),
         F.max("file_size").alias("file_size")).collect()  # a row per file split: metadata
@@ -359,7 +379,8 @@ def read_input(spark: SparkSession, cfg) -> DataFrame:
         except Exception as exc:
             raise ConfigError(f"cannot read input table {cfg.input_table!r}: {str(exc).splitlines()[0]}") from None
         return table_lines(df, cfg, cfg.input_table)
-    _check_exists(spark, cfg.input)
-    if storage.is_delta_path(spark, cfg.input):
-        return table_lines(spark.read.format("delta").load(cfg.input), cfg, cfg.input)
-    return read_lines(spark, cfg.input, cfg.max_line_bytes)
+    with storage.refusals_explained(cfg.input, "--input"):
+        _check_exists(spark, cfg.input)
+        if storage.is_delta_path(spark, cfg.input):
+            return table_lines(spark.read.format("delta").load(cfg.input), cfg, cfg.input)
+        return read_lines(spark, cfg.input, cfg.max_line_bytes)

@@ -4,7 +4,9 @@ Files: with a classic session they go through Hadoop ``FileSystem`` streams in t
 ``hdfs://``, ``s3a://``, ``abfss://``, ``dbfs:/`` ...); a Spark Connect session has no JVM in this process, so there
 each file operation is a one-task Spark job whose Python worker uses pyarrow's filesystems
 (:func:`~spark_llm.filesystems.python_filesystem`) on the cluster, where the paths are. Either way no data passes
-through the Python driver, and every file we write appears by rename, never half written. Tables go through Spark SQL and DataFrame writes (appends, ``DELETE``,
+through the Python driver, and every file we write appears whole, never half written (by rename, or on an object
+store by the close of its one write). A store's refusal (no bucket, credentials refused, a file gone) becomes one
+clear :class:`~spark_llm.config.ConfigError` (:func:`refusals_explained`). Tables go through Spark SQL and DataFrame writes (appends, ``DELETE``,
 ``DESCRIBE HISTORY``, values as escaped literals), which work over both kinds of session.
 """
 
@@ -24,13 +26,28 @@ from pyspark.sql import functions as F
 
 from .config import ConfigError
 from .schemas import table_schema
-from .filesystems import python_filesystem
+from .filesystems import python_filesystem, store_failure
 from .session import is_connect
 
 log = logging.getLogger(__name__)
 
 
 # ---- files -------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def refusals_explained(path: str, setting: str) -> Iterator[None]:
+    """A store's refusal raised within (:func:`~spark_llm.filesystems.store_failure`: a bucket that does not exist,
+    credentials refused, a file gone mid-read) as one :class:`~spark_llm.config.ConfigError` that names ``setting``
+    and ``path`` and says what to change, in place of a Java stack; any other failure as it is."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as exc:
+        if (failure := store_failure(str(exc))) is None:
+            raise
+        raise ConfigError(failure.message(path, setting)) from None
+
 
 def _in_task(spark: SparkSession, op: Callable[..., Any], *args: Any) -> Any:
     """``op(*args)`` run in one Spark task (a Connect session's file operations); its JSON-able result."""

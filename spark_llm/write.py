@@ -38,10 +38,11 @@ def prepare_destination(run: RunContext) -> RunContext:
     are created (or given the columns a newer spark_llm adds) in the background, while the batch is prepared;
     returns the run with that under way (every read and write of the tables waits for it)."""
     spark, cfg, paths = run.spark, run.cfg, run.paths
-    if cfg.resume:
-        storage.mkdirs(spark, paths.output_dir)
-    else:
-        storage.prepare_output_dir(spark, paths.output_dir, cfg.overwrite)
+    with storage.refusals_explained(paths.output_dir, "--output-dir"):
+        if cfg.resume:
+            storage.mkdirs(spark, paths.output_dir)
+        else:
+            storage.prepare_output_dir(spark, paths.output_dir, cfg.overwrite)
         for table in (paths.outputs_table, paths.errors_table):
             if storage.table_exists(spark, table) and not _batch_rows(run, table).isEmpty():
                 if not cfg.overwrite:

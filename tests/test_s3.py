@@ -176,3 +176,125 @@ def test_a_model_and_its_lora_adapter_on_s3_are_copied_once_per_host_and_used(sp
     copies = sorted(p.name for p in model_cache.iterdir() if p.is_dir() and "s3a" in p.name)
     assert any(ADAPTER in c for c in copies) and any("tiny-llm" in c and not c.endswith("-meta") for c in copies)
     assert not [p for p in model_cache.iterdir() if ".partial-" in p.name]
+
+
+# ---- bad input: one clear message, nothing lost ------------------------------------------------------------------
+
+def test_a_store_s_refusals_are_told_apart_by_their_text():
+    from spark_llm.filesystems import Refusal, store_failure
+
+    bucket = ("org.apache.hadoop.fs.s3a.UnknownStoreException: `s3a://nope/in.jsonl': getFileStatus on "
+              "s3a://nope/in.jsonl: software.amazon.awssdk.services.s3.model.NoSuchBucketException: The specified "
+              "bucket does not exist (Service: S3, Status Code: 404)")
+    head = ("java.nio.file.AccessDeniedException: s3a://lake/out: getFileStatus on s3a://lake/out: "
+            "software.amazon.awssdk.services.s3.model.S3Exception: FORBIDDEN (Service: S3, Status Code: 403)")
+    key = "botocore.exceptions.ClientError: An error occurred (InvalidAccessKeyId) when calling the GetObject operation"
+    gone = ("org.apache.spark.SparkException: [FAILED_READ_FILE.FILE_NOT_EXIST] Encountered error while reading file "
+            "s3a://lake/in/b.jsonl. File does not exist.")
+    down = "Caused by: java.net.ConnectException: Connection refused"
+    assert [store_failure(f"An error occurred while calling o60.globStatus.\n: {t}\n\tat org.apache.x(X.java:1)").reason
+            for t in (bucket, head, key, gone, down)] == [
+        Refusal.NO_BUCKET, Refusal.DENIED, Refusal.CREDENTIALS, Refusal.GONE, Refusal.UNREACHABLE]
+    assert store_failure(bucket).detail == bucket  # the store's own line, kept
+    assert store_failure("[DELTA_CONCURRENT_APPEND] Files were added") is None  # not the store's: raised as it is
+    assert len(store_failure(f"{gone} {'x' * 1000}").detail) < 400
+
+
+def test_an_input_directory_without_jsonl_files_is_named_as_such():
+    from spark_llm.read import files_problem
+
+    assert "holds no file to read" in files_problem("s3a://lake/done/", [])
+    assert "holds no JSONL file, only csv, parquet" in files_problem(
+        "s3a://lake/export/", ["s3a://lake/export/a.csv", "s3a://lake/export/part-0.snappy.parquet"])
+    assert files_problem("s3a://lake/in/", ["s3a://lake/in/part-00000", "s3a://lake/in/a.csv"]) is None
+    assert files_problem("s3a://lake/in/", ["s3a://lake/in/batch.jsonl.gz"]) is None
+
+
+@pytest.fixture(scope="module")
+def bad_input(spark, s3, tiny_model):
+    """A bucket "uneasy" with two small batch files under ``in/``, a finished Spark job's marker only under ``done/``
+    and a CSV export under ``csv/``; and a run of a batch with its config's overrides, that must fail."""
+    from spark_llm import BatchConfig
+    from spark_llm.config import ConfigError
+    from spark_llm.pipeline import run_batch
+
+    client = s3.client()
+    client.create_bucket(Bucket="uneasy")
+    for name in ("a", "b"):
+        client.put_object(Bucket="uneasy", Key=f"in/{name}.jsonl",
+                          Body=(json.dumps(chat_line(f"{name}-0", "question", max_tokens=2)) + "\n").encode())
+    client.put_object(Bucket="uneasy", Key="done/_SUCCESS", Body=b"")
+    client.put_object(Bucket="uneasy", Key="csv/a.csv", Body=b"a,b\n1,2\n")
+
+    runs = iter(range(100))
+
+    def refused(**overrides) -> str:  # each run's output dir its own: a failed batch leaves its batch.json there
+        cfg = BatchConfig(**{"input": "s3a://uneasy/in/", "output_dir": f"s3a://uneasy/out{next(runs)}",
+                             "batch_id": "b-uneasy", **engine_settings(tiny_model), **overrides})
+        with pytest.raises(ConfigError) as refusal:
+            run_batch(spark, cfg)
+        return str(refusal.value)
+    return client, refused
+
+
+@pytest.mark.engine
+def test_a_bucket_that_does_not_exist_is_one_clear_message(bad_input):
+    _, refused = bad_input
+    message = refused(input="s3a://no-such-bucket/in/a.jsonl")
+    assert message.startswith("--input 's3a://no-such-bucket/in/a.jsonl': the bucket does not exist")
+    assert "Status Code: 404" in message  # the store's own words
+    assert refused(output_dir="s3a://no-such-bucket/run").startswith("--output-dir 's3a://no-such-bucket/run': the bucket")
+
+
+@pytest.mark.engine
+def test_a_prefix_with_no_jsonl_is_one_clear_message(bad_input):
+    _, refused = bad_input
+    assert "holds no file to read" in refused(input="s3a://uneasy/done/")
+    assert "holds no JSONL file, only csv" in refused(input="s3a://uneasy/csv/")
+    assert "does not exist or matches no file" in refused(input="s3a://uneasy/nothing-here/")
+
+
+@pytest.mark.engine
+def test_wrong_keys_are_one_clear_message_without_the_secret(s3, bad_input):
+    _, refused = bad_input
+    with s3.checking_keys():  # the server refuses the keys the session signs with
+        message = refused()
+    assert message.startswith("--output-dir 's3a://uneasy/out") and "the store refused access (403)" in message
+    assert "fs.s3a" not in message.split("The store said:")[1] and _secret() not in message
+
+
+@pytest.mark.engine
+def test_an_input_file_deleted_mid_read_is_one_clear_message_and_resume_loses_nothing(bad_input, tmp_path,
+                                                                                       monkeypatch, spark,
+                                                                                       tiny_model):
+    """The file is listed, then deleted before its lines are read (the driver held there by a fault): the batch
+    stops with a message naming the file, and once it is back ``--resume`` answers every line once."""
+    import threading
+    import time
+
+    from spark_llm import BatchConfig
+    from spark_llm.faults import FAULT_ENV
+    from spark_llm.pipeline import run_batch
+
+    client, refused = bad_input
+    release = tmp_path / "release"
+    monkeypatch.setenv(FAULT_ENV, f"hold_read_until:{release}")
+    body = client.get_object(Bucket="uneasy", Key="in/b.jsonl")["Body"].read()
+
+    def delete_while_held():
+        while not (tmp_path / "release.held").exists():  # the driver has listed the files and waits
+            time.sleep(0.05)
+        client.delete_object(Bucket="uneasy", Key="in/b.jsonl")
+        release.touch()
+    deleter = threading.Thread(target=delete_while_held, daemon=True)
+    deleter.start()
+    message = refused(output_dir="s3a://uneasy/gone")
+    deleter.join()
+    assert message.startswith("--input 's3a://uneasy/in/': a file was deleted or replaced while the batch read it")
+    assert "s3a://uneasy/in/b.jsonl" in message
+
+    monkeypatch.delenv(FAULT_ENV)
+    client.put_object(Bucket="uneasy", Key="in/b.jsonl", Body=body)
+    run_batch(spark, BatchConfig(input="s3a://uneasy/in/", output_dir="s3a://uneasy/gone", batch_id="b-uneasy",
+                                 resume=True, **engine_settings(tiny_model)))
+    assert sorted(r["custom_id"] for r in lines_of(client, "uneasy", "gone/output.jsonl")) == ["a-0", "b-0"]
