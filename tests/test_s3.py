@@ -74,6 +74,13 @@ def test_a_file_written_in_place_on_s3_appears_whole_or_not_at_all(spark, s3):
     assert storage.appears_whole_on_close("s3a://b/k") and not storage.appears_whole_on_close("/tmp/k")
 
 
+#: Server-side encryption of bucket "lake" with a KMS key: Hadoop's own settings, for one bucket (``fs.s3a.*`` for
+#: all), which its S3A connector applies to every object it writes.
+LAKE_KMS_KEY = "arn:aws:kms:us-east-1:123456789012:key/0b5e7a3c-spark-llm-test"
+LAKE_ENCRYPTION = {"fs.s3a.bucket.lake.encryption.algorithm": "SSE-KMS",
+                   "fs.s3a.bucket.lake.encryption.key": LAKE_KMS_KEY}
+
+
 @pytest.fixture(scope="module")
 def s3_run(spark, s3, tiny_model):
     from spark_llm import BatchConfig
@@ -81,6 +88,9 @@ def s3_run(spark, s3, tiny_model):
 
     client = s3.client()
     client.create_bucket(Bucket="lake")
+    hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+    for key, value in LAKE_ENCRYPTION.items():  # this bucket's objects encrypted, as its connector is first made
+        hadoop.set(key, value)
     first = [chat_line(f"a-{i}", f"question {i}", max_tokens=4) for i in range(3)]
     second = [chat_line(f"b-{i}", f"question {i}", max_tokens=4) for i in range(2)]
     client.put_object(Bucket="lake", Key="batches/part-1.jsonl",
@@ -118,6 +128,23 @@ def test_a_prefix_of_files_in_a_bucket_runs_and_every_result_lands_in_the_bucket
     assert errors.where(F.col("code") == "invalid_json").first()["line_number"] == 4  # the blank line counted
     batch = json.loads(client.get_object(Bucket="lake", Key="results/run1/batch.json")["Body"].read())
     assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
+
+
+@pytest.mark.engine
+def test_every_object_the_job_wrote_is_encrypted_with_the_bucket_s_kms_key(s3, s3_run):
+    """The Delta tables' data files and logs, the OpenAI files, the report, the settings: each object's metadata as
+    the S3 server keeps it. Only S3A's directory markers (empty objects named ``<dir>/``) are left as they are:
+    they hold no byte."""
+    _, client, _ = s3_run
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket="lake", Prefix="results/")
+            for o in page.get("Contents", [])]
+    assert any(k.endswith(".parquet") for k in keys) and any("/_delta_log/" in k for k in keys)
+    plain = {}
+    for key in keys:
+        head = client.head_object(Bucket="lake", Key=key)
+        if (head.get("ServerSideEncryption"), head.get("SSEKMSKeyId")) != ("aws:kms", LAKE_KMS_KEY):
+            plain[key] = head["ContentLength"]
+    assert plain == {"results/": 0, "results/run1/": 0}
 
 
 @pytest.mark.engine
