@@ -6,8 +6,9 @@ each file operation is a one-task Spark job whose Python worker uses pyarrow's f
 (:func:`~spark_llm.filesystems.python_filesystem`) on the cluster, where the paths are. Either way no data passes
 through the Python driver, and every file we write appears whole, never half written (by rename, or on an object
 store by the close of its one write). A store's refusal (no bucket, credentials refused, a file gone) becomes one
-clear :class:`~spark_llm.config.ConfigError` (:func:`refusals_explained`). Tables go through Spark SQL and DataFrame writes (appends, ``DELETE``,
-``DESCRIBE HISTORY``, values as escaped literals), which work over both kinds of session.
+clear :class:`~spark_llm.config.ConfigError` (:func:`refusals_explained`). Tables go through Spark SQL and
+DataFrame writes (appends, ``DELETE``, ``DESCRIBE HISTORY``, values as escaped literals), which work over both kinds
+of session.
 """
 
 from __future__ import annotations

@@ -38,20 +38,20 @@ def prepare_destination(run: RunContext) -> RunContext:
     are created (or given the columns a newer spark_llm adds) in the background, while the batch is prepared;
     returns the run with that under way (every read and write of the tables waits for it)."""
     spark, cfg, paths = run.spark, run.cfg, run.paths
-    with storage.refusals_explained(paths.output_dir, "--output-dir"):
+    with storage.refusals_explained(paths.output_dir, "--output-dir"):  # the run's first touch of the output's store
         if cfg.resume:
             storage.mkdirs(spark, paths.output_dir)
         else:
             storage.prepare_output_dir(spark, paths.output_dir, cfg.overwrite)
-        for table in (paths.outputs_table, paths.errors_table):
-            if storage.table_exists(spark, table) and not _batch_rows(run, table).isEmpty():
-                if not cfg.overwrite:
-                    raise ConfigError(f"table {table} already holds rows of batch {run.batch_id!r}; pass --resume "
-                                      f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
-                # redone: every table forgets the batch (a later --resume or report must not count the old runs)
-                for other in (paths.outputs_table, paths.errors_table, paths.metrics_table, paths.embeddings_table):
-                    storage.delete_rows(spark, other, run.batch_id)
-                break
+    for table in (paths.outputs_table, paths.errors_table) if not cfg.resume else ():
+        if storage.table_exists(spark, table) and not _batch_rows(run, table).isEmpty():
+            if not cfg.overwrite:
+                raise ConfigError(f"table {table} already holds rows of batch {run.batch_id!r}; pass --resume "
+                                  f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
+            # redone: every table forgets the batch (a later --resume or report must not count the old runs)
+            for other in (paths.outputs_table, paths.errors_table, paths.metrics_table, paths.embeddings_table):
+                storage.delete_rows(spark, other, run.batch_id)
+            break
     tables = [(paths.outputs_table, OUTPUTS_COLUMNS, OUTPUTS_STATS),
               (paths.errors_table, ERRORS_COLUMNS, ERRORS_STATS),
               (paths.metrics_table, METRICS_COLUMNS, ())]  # made now, not by the first wave's commit

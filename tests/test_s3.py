@@ -270,7 +270,8 @@ def test_a_bucket_that_does_not_exist_is_one_clear_message(bad_input):
     message = refused(input="s3a://no-such-bucket/in/a.jsonl")
     assert message.startswith("--input 's3a://no-such-bucket/in/a.jsonl': the bucket does not exist")
     assert "Status Code: 404" in message  # the store's own words
-    assert refused(output_dir="s3a://no-such-bucket/run").startswith("--output-dir 's3a://no-such-bucket/run': the bucket")
+    assert refused(output_dir="s3a://no-such-bucket/run").startswith(
+        "--output-dir 's3a://no-such-bucket/run': the bucket")
 
 
 @pytest.mark.engine
