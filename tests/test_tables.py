@@ -189,8 +189,16 @@ def test_catalog_table_run_into_managed_result_tables_and_the_same_batch_id(spar
 def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tiny_model, tmp_path):
     """The driver dies (exit 137, as kill -9) after its first wave's commit, everything in a bucket: input, tables,
     staging, files; the resumed run answers each line once. The dying run's session takes its S3A settings from the
-    config's spark: section, as a user's does."""
+    config's spark: section, as a user's does: its secret key is in none of the objects either run wrote, no line
+    the dying one logged, and not on its Spark UI's environment page (read while the run is held before reading
+    its input)."""
+    import socket
+    import time
+    import urllib.request
+
     import yaml
+
+    from conftest import _load_script
 
     client = s3.client()
     client.create_bucket(Bucket="crashy")
@@ -202,7 +210,11 @@ def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tin
                       Body=write_jsonl(tmp_path / "in.jsonl", lines).read_bytes())
     source, out = "s3a://crashy/in/in.jsonl", "s3a://crashy/out"
     config = tmp_path / "s3.yaml"
-    config.write_text(yaml.safe_dump({"spark": {f"spark.hadoop.{k}": v for k, v in s3.hadoop_settings().items()}}))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        ui_port = free.getsockname()[1]
+    config.write_text(yaml.safe_dump({"spark": {**{f"spark.hadoop.{k}": v for k, v in s3.hadoop_settings().items()},
+                                                "spark.ui.enabled": "true", "spark.ui.port": str(ui_port)}}))
     settings = engine_settings(tiny_model)
     args = [sys.executable, "-m", "spark_llm.cli", "run", "--config", str(config), "--input", source,
             "--output-dir", out, "--batch-id", "crashy", "--master", "local[1]", "--wave-partitions", "1",
@@ -211,12 +223,32 @@ def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tin
                 "default_max_tokens"):
         args += ["--" + key.replace("_", "-"), str(settings[key])]
     args += ["--enforce-eager", "--engine-kwargs", json.dumps(settings["engine_kwargs"])]  # the same engine as below
-    env = {**os.environ, FAULT_ENV: "exit_after_wave:1"}
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 137, proc.stderr[-3000:]
-    assert "fault injection: driver exits after wave 1" in proc.stderr
-    waves = re.search(r"wave 1/(\d+) committed", proc.stderr)
-    assert waves and int(waves.group(1)) >= 3, proc.stderr[-3000:]  # a handful of requests over several waves
+    release = tmp_path / "release"
+    env = {**os.environ, FAULT_ENV: f"exit_after_wave:1;hold_read_until:{release}", "SPARK_LOCAL_IP": "127.0.0.1"}
+    with open(tmp_path / "stderr", "w+") as stderr:
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True, cwd=ROOT)
+        try:
+            while not (tmp_path / "release.held").exists():  # the run is under way, its input listed
+                assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+                time.sleep(0.1)
+            ui = f"http://127.0.0.1:{ui_port}"
+            [app] = json.loads(urllib.request.urlopen(f"{ui}/api/v1/applications", timeout=30).read())
+            environment = urllib.request.urlopen(f"{ui}/api/v1/applications/{app['id']}/environment",
+                                                 timeout=30).read().decode()
+            page = urllib.request.urlopen(f"{ui}/environment/", timeout=30).read().decode()
+        finally:
+            release.touch()
+        proc.wait(timeout=600)
+        stderr.seek(0)
+        log = stderr.read()
+    secret = _load_script("s3_server").SECRET_KEY
+    assert '"spark.hadoop.fs.s3a.secret.key", "*********(redacted)"' in environment  # Spark's redaction.regex
+    assert "Spark Properties" in page
+    assert secret not in environment and secret not in page and secret not in log
+    assert proc.returncode == 137, log[-3000:]
+    assert "fault injection: driver exits after wave 1" in log
+    waves = re.search(r"wave 1/(\d+) committed", log)
+    assert waves and int(waves.group(1)) >= 3, log[-3000:]  # a handful of requests over several waves
     first_wave = spark.read.format("delta").load(f"{out}/delta/outputs").count()
     assert 0 < first_wave < 6
 
@@ -231,6 +263,10 @@ def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tin
     read = lambda name: client.get_object(Bucket="crashy", Key=f"out/{name}")["Body"].read().decode()  # noqa: E731
     assert len(read("output.jsonl").splitlines()) == 6
     assert json.loads(read("batch.json"))["request_counts"] == {"total": 8, "completed": 6, "failed": 2}
+    written = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket="crashy", Prefix="out/")
+               for o in page.get("Contents", [])]
+    assert "out/settings.json" in written
+    assert not [k for k in written if secret.encode() in client.get_object(Bucket="crashy", Key=k)["Body"].read()]
 
     # the report describes the whole batch: the crashed run's committed wave and the resumed run's waves
     metrics = spark.read.format("delta").load(f"{out}/delta/metrics").collect()
