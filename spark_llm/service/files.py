@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Optional
 
-from ..filesystems import python_filesystem
+from ..filesystems import S3_PREFIXES, python_filesystem
 from .protocol import APIError
 
 #: Bytes a download reads from storage at a time.
@@ -22,6 +24,58 @@ CHUNK_BYTES = 1 << 20
 #: finish well within it).
 PARTIAL_MAX_AGE_SECONDS = 3600.0
 _BAD_FILENAME = re.compile(r"[\x00-\x1f\x7f/\\]")
+#: Bytes of each part of a file written to S3 but the last (S3's least is 5 MiB): what a write holds in memory.
+S3_PART_BYTES = 8 << 20
+
+
+def _bucket_key(location: str) -> tuple[str, str]:
+    bucket, _, key = location.split("://", 1)[1].partition("/")
+    return bucket, key
+
+
+@functools.lru_cache(maxsize=None)
+def _s3_client() -> Any:
+    """boto3's S3 client, made once per process: credentials, region and endpoint from the standard chain
+    (``AWS_*`` variables, ``AWS_ENDPOINT_URL``, the profile, the instance role), as pyarrow's."""
+    import boto3
+
+    return boto3.client("s3")
+
+
+class S3Upload:
+    """A file written to S3 as one multipart upload to its own key: each part sent as it fills, the object made by
+    :meth:`complete` and by nothing else. S3 shows no object of an upload never completed, so a write cut off (an
+    error: :meth:`abort`; a server killed) leaves nothing to download, and no copy is ever made (a rename on S3 is
+    a copy: 8 GB twice, and pyarrow's copies stop at 5 GB)."""
+
+    def __init__(self, client: Any, bucket: str, key: str, part_bytes: int = S3_PART_BYTES):
+        self.client, self.bucket, self.key, self.part_bytes = client, bucket, key, part_bytes
+        self.upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        self.parts: list[dict] = []
+        self.buffer = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.buffer += data
+        while len(self.buffer) >= self.part_bytes:
+            self._send(bytes(self.buffer[:self.part_bytes]))
+            del self.buffer[:self.part_bytes]
+        return len(data)
+
+    def _send(self, body: bytes) -> None:
+        number = len(self.parts) + 1
+        reply = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                                        PartNumber=number, Body=body)
+        self.parts.append({"PartNumber": number, "ETag": reply["ETag"]})
+
+    def complete(self) -> None:
+        if self.buffer or not self.parts:  # the last part may be short, or empty when it is the only one
+            self._send(bytes(self.buffer))
+            self.buffer.clear()
+        self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                                              MultipartUpload={"Parts": self.parts})
+
+    def abort(self) -> None:
+        self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
 
 
 class FileStorage:
@@ -39,8 +93,19 @@ class FileStorage:
 
     @contextlib.contextmanager
     def writing(self, location: str) -> Iterator[Any]:
-        """A stream that becomes ``location`` when the block ends without an error (written under a temporary
-        name first: a reader never sees half a file); removed otherwise."""
+        """A stream that becomes ``location`` when the block ends without an error, and nothing otherwise: a reader
+        never sees half a file. On S3 one multipart upload to the file's own key (:class:`S3Upload`); elsewhere
+        written under a temporary name first, renamed into place."""
+        if location.startswith(S3_PREFIXES):
+            upload = S3Upload(_s3_client(), *_bucket_key(location))
+            try:
+                yield upload
+                upload.complete()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    upload.abort()
+                raise
+            return
         filesystem, path = python_filesystem(location)
         filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
         temporary = f"{path}.{uuid.uuid4().hex[:8]}.partial"
@@ -57,11 +122,12 @@ class FileStorage:
 
     def sweep_partials(self, older_than: float = PARTIAL_MAX_AGE_SECONDS) -> int:
         """Delete what uploads cut off by a dead server left under temporary names (``*.partial``), once older than
-        ``older_than`` seconds (younger ones may be another server's uploads under way); how many went."""
-        import time
-
+        ``older_than`` seconds (younger ones may be another server's uploads under way); how many went. On S3, the
+        multipart uploads left incomplete under the root (no object, but their parts are stored and billed)."""
         from pyarrow import fs
 
+        if self.root.startswith(S3_PREFIXES):
+            return self._abort_stale_uploads(older_than)
         swept = 0
         for kind in ("files", "uploads"):
             filesystem, path = python_filesystem(self.location(kind))
@@ -71,6 +137,17 @@ class FileStorage:
                         and time.time() - info.mtime.timestamp() > older_than:
                     with contextlib.suppress(OSError):
                         filesystem.delete_file(info.path)
+                        swept += 1
+        return swept
+
+    def _abort_stale_uploads(self, older_than: float) -> int:
+        client, (bucket, prefix) = _s3_client(), _bucket_key(self.root)
+        swept = 0
+        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix + "/"):
+            for upload in page.get("Uploads", []):
+                if time.time() - upload["Initiated"].timestamp() > older_than:
+                    with contextlib.suppress(Exception):
+                        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                         swept += 1
         return swept
 
@@ -95,6 +172,10 @@ class FileStorage:
         return info.size if info.type == fs.FileType.File else None
 
     def delete(self, location: str) -> None:
+        if location.startswith(S3_PREFIXES):  # pyarrow would leave an empty "<dir>/" object for its parent
+            bucket, key = _bucket_key(location)
+            _s3_client().delete_object(Bucket=bucket, Key=key)
+            return
         filesystem, path = python_filesystem(location)
         with contextlib.suppress(FileNotFoundError):
             filesystem.delete_file(path)
