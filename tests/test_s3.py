@@ -326,3 +326,29 @@ def test_an_input_file_deleted_mid_read_is_one_clear_message_and_resume_loses_no
     run_batch(spark, BatchConfig(input="s3a://uneasy/in/", output_dir="s3a://uneasy/gone", batch_id="b-uneasy",
                                  resume=True, **engine_settings(tiny_model)))
     assert sorted(r["custom_id"] for r in lines_of(client, "uneasy", "gone/output.jsonl")) == ["a-0", "b-0"]
+
+
+def test_a_service_file_on_s3_is_one_multipart_upload_and_a_failed_write_leaves_nothing(s3_server):
+    from spark_llm.service import files
+
+    client = s3_server.client()
+    client.create_bucket(Bucket="service-files")
+    storage = files.FileStorage("s3a://service-files/root")
+    whole = storage.location("files", "file-whole")
+    with storage.writing(whole) as out:
+        for i in range(12):
+            out.write(bytes([65 + i]) * (1 << 20))
+    assert b"".join(storage.chunks(whole)) == b"".join(bytes([65 + i]) * (1 << 20) for i in range(12))
+    assert files.S3_PART_BYTES == 8 << 20  # so two parts: 8 MiB sent as it filled, then the last 4
+    assert client.head_object(Bucket="service-files", Key="root/files/file-whole")["ETag"].endswith('-2"')
+
+    cut = storage.location("files", "file-cut")
+    with pytest.raises(RuntimeError):
+        with storage.writing(cut) as out:
+            out.write(b"x" * (9 << 20))  # a part already sent
+            raise RuntimeError("the client went away")
+    assert storage.size(cut) is None
+    assert not client.list_multipart_uploads(Bucket="service-files").get("Uploads")  # aborted, not left behind
+    storage.delete(whole)
+    # no "files/" object left either: only the root's own marker, made when the storage opened (its first check)
+    assert [o["Key"] for o in client.list_objects_v2(Bucket="service-files")["Contents"]] == ["root/"]
