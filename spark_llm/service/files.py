@@ -375,8 +375,8 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
         broken = None
         async for data in body:  # read to the end even when the body is refused: the client then reads the answer
             if broken is None:
-                try:
-                    parser.write(data)
+                try:  # in a thread: writing a part to S3 waits for the store, and the loop serves other calls
+                    await asyncio.to_thread(parser.write, data)
                 except MultipartParseError as exc:
                     broken = exc
         if broken is None:
