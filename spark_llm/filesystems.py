@@ -73,7 +73,13 @@ def s3_access(spark: Any, uri: Optional[str]) -> Optional[S3Access]:
         return None
     props = spark.sparkContext._jsc.hadoopConfiguration().getPropsWithPrefix("fs.s3a.")
     conf = {f"fs.s3a.{k}": v for k, v in props.items()}
-    return S3Access.from_hadoop(conf, uri.split("://", 1)[1].split("/", 1)[0])
+    return S3Access.from_hadoop(conf, bucket_and_key(uri)[0])
+
+
+def bucket_and_key(uri: str) -> tuple[str, str]:
+    """The bucket and the object key of an object store's URI (``s3a://bucket/a/b`` -> ``bucket``, ``a/b``)."""
+    bucket, _, key = uri.split("://", 1)[1].partition("/")
+    return bucket, key
 
 
 class Refusal(str, Enum):

@@ -478,14 +478,13 @@ def test_the_dashboard_in_a_real_browser(server, tmp_path):
     assert wait_for(client, running.id).status == "cancelled"
 
 
-def test_a_server_killed_during_an_upload_leaves_no_file_a_client_can_download(server, tmp_path):
+def slow_upload(server: Server) -> "threading.Thread":
+    """A thread sending an upload of a batch file slowly (about 40 s), for the server to be killed during it; it
+    ends when the upload does, answered or cut off."""
     import threading
 
     import httpx
 
-    files = server.storage / "files"
-    before = {f.id for f in server.client().files.list()}
-    stored = {p.name for p in files.iterdir() if not p.name.endswith(".partial")} if files.exists() else set()
     line = json.dumps(chat_line("k", max_tokens=2)).encode() + b"\n"
 
     def body():
@@ -502,6 +501,14 @@ def test_a_server_killed_during_an_upload_leaves_no_file_a_client_can_download(s
                 "Authorization": f"Bearer {KEY_A}", "Content-Type": "multipart/form-data; boundary=k"})
     sender = threading.Thread(target=send)
     sender.start()
+    return sender
+
+
+def test_a_server_killed_during_an_upload_leaves_no_file_a_client_can_download(server, tmp_path):
+    files = server.storage / "files"
+    before = {f.id for f in server.client().files.list()}
+    stored = {p.name for p in files.iterdir() if not p.name.endswith(".partial")} if files.exists() else set()
+    sender = slow_upload(server)
     deadline = time.time() + 60
     while not list(files.glob("*.partial")) and time.time() < deadline:
         time.sleep(0.05)

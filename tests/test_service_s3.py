@@ -5,16 +5,13 @@ files and the Uploads API's parts go to the bucket as they arrive, each as one m
 
 from __future__ import annotations
 
-import contextlib
-import json
-import threading
 import time
 
 import pytest
 import yaml
 
 from conftest import chat_line, write_jsonl
-from test_service import KEY_A, Server, lines_of, wait_for
+from test_service import KEY_A, Server, lines_of, slow_upload, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -87,30 +84,12 @@ def test_files_batches_and_uploads_live_in_the_bucket(s3_server, s3_service, tmp
 
 
 def test_a_server_killed_during_an_upload_to_the_bucket_leaves_nothing_to_download(s3_service):
-    import httpx
-
     server, s3 = s3_service
     before = {f.id for f in server.client().files.list()}
     stored = set(keys_under(s3, "service/files/"))
-    line = json.dumps(chat_line("k", max_tokens=2)).encode() + b"\n"
-
-    def body():
-        yield (b"--k\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--k\r\nContent-Disposition: "
-               b"form-data; name=\"file\"; filename=\"killed.jsonl\"\r\n\r\n")
-        for _ in range(2000):
-            yield line * 50
-            time.sleep(0.02)
-        yield b"\r\n--k--\r\n"
-
-    def send() -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(f"http://127.0.0.1:{server.port}/v1/files", content=body(), timeout=120, headers={
-                "Authorization": f"Bearer {KEY_A}", "Content-Type": "multipart/form-data; boundary=k"})
-
     def uploads_under_way() -> list:
         return s3.list_multipart_uploads(Bucket=BUCKET, Prefix="service/files/").get("Uploads", [])
-    sender = threading.Thread(target=send)
-    sender.start()
+    sender = slow_upload(server)
     deadline = time.time() + 60
     while not uploads_under_way() and time.time() < deadline:
         time.sleep(0.05)

@@ -192,7 +192,6 @@ def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tin
     config's spark: section, as a user's does: its secret key is in none of the objects either run wrote, no line
     the dying one logged, and not on its Spark UI's environment page (read while the run is held before reading
     its input)."""
-    import socket
     import time
     import urllib.request
 
@@ -210,9 +209,7 @@ def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tin
                       Body=write_jsonl(tmp_path / "in.jsonl", lines).read_bytes())
     source, out = "s3a://crashy/in/in.jsonl", "s3a://crashy/out"
     config = tmp_path / "s3.yaml"
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        ui_port = free.getsockname()[1]
+    ui_port = _load_script("standalone_cluster").free_port()
     config.write_text(yaml.safe_dump({"spark": {**{f"spark.hadoop.{k}": v for k, v in s3.hadoop_settings().items()},
                                                 "spark.ui.enabled": "true", "spark.ui.port": str(ui_port)}}))
     settings = engine_settings(tiny_model)

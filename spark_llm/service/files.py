@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Optional
 
-from ..filesystems import S3_PREFIXES, python_filesystem
+from ..filesystems import S3_PREFIXES, bucket_and_key, python_filesystem
 from .protocol import APIError
 
 #: Bytes a download reads from storage at a time.
@@ -26,11 +26,6 @@ PARTIAL_MAX_AGE_SECONDS = 3600.0
 _BAD_FILENAME = re.compile(r"[\x00-\x1f\x7f/\\]")
 #: Bytes of each part of a file written to S3 but the last (S3's least is 5 MiB): what a write holds in memory.
 S3_PART_BYTES = 8 << 20
-
-
-def _bucket_key(location: str) -> tuple[str, str]:
-    bucket, _, key = location.split("://", 1)[1].partition("/")
-    return bucket, key
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +92,7 @@ class FileStorage:
         never sees half a file. On S3 one multipart upload to the file's own key (:class:`S3Upload`); elsewhere
         written under a temporary name first, renamed into place."""
         if location.startswith(S3_PREFIXES):
-            upload = S3Upload(_s3_client(), *_bucket_key(location))
+            upload = S3Upload(_s3_client(), *bucket_and_key(location))
             try:
                 yield upload
                 upload.complete()
@@ -141,7 +136,7 @@ class FileStorage:
         return swept
 
     def _abort_stale_uploads(self, older_than: float) -> int:
-        client, (bucket, prefix) = _s3_client(), _bucket_key(self.root)
+        client, (bucket, prefix) = _s3_client(), bucket_and_key(self.root)
         swept = 0
         for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix + "/"):
             for upload in page.get("Uploads", []):
@@ -173,7 +168,7 @@ class FileStorage:
 
     def delete(self, location: str) -> None:
         if location.startswith(S3_PREFIXES):  # pyarrow would leave an empty "<dir>/" object for its parent
-            bucket, key = _bucket_key(location)
+            bucket, key = bucket_and_key(location)
             _s3_client().delete_object(Bucket=bucket, Key=key)
             return
         filesystem, path = python_filesystem(location)
