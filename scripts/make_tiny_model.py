@@ -11,12 +11,15 @@ the same weights and the same tokenizer every time, so greedy decoding gives the
     python scripts/make_tiny_model.py --kind vision --out /tmp/tiny-vlm
     python scripts/make_tiny_model.py --kind classifier --base /tmp/tiny-llm --out /tmp/tiny-moderation
     python scripts/make_tiny_model.py --kind cross-encoder --base /tmp/tiny-llm --out /tmp/tiny-reranker
+    python scripts/make_tiny_model.py --kind whisper --out /tmp/tiny-whisper
 
 ``--kind embedding`` makes a sentence-transformers directory of the tiny Llama (modules.json: the transformer, mean
 pooling, normalisation), which vLLM's pooling runner loads as an embedding model: unit-length vectors of 256 floats.
 ``--kind classifier`` makes a multi-label sequence classifier of it (LlamaForSequenceClassification) whose labels
 are OpenAI's 13 moderation categories: vLLM's classify task gives each a sigmoid score. ``--kind cross-encoder``
 makes a one-label classifier of it, a (query, document) relevance scorer for /v1/score and /v1/rerank.
+``--kind whisper`` makes a Whisper-shaped speech-to-text model (one encoder and one decoder layer, 80 mel bins at
+16 kHz, Whisper's special tokens on the tiny BPE) for /v1/audio/transcriptions and translations.
 """
 
 from __future__ import annotations
@@ -315,15 +318,66 @@ def build_vision(out: Path, *, seed: int = 0, vocab_size: int = 4096, max_len: i
     return out
 
 
+def whisper_special_tokens() -> list[str]:
+    """Whisper's special tokens, as its tokenizer names them: the end, the start, a token per language (the
+    ISO-639-1 codes spark_llm's transcriptions endpoint accepts), the tasks, the previous text, no speech, no
+    timestamps."""
+    from spark_llm.endpoints.transcriptions import LANGUAGES
+
+    return (["<|endoftext|>", "<|startoftranscript|>"] + [f"<|{code}|>" for code in sorted(LANGUAGES)]
+            + ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+               "<|notimestamps|>"])
+
+
+def build_whisper(out: Path, *, seed: int = 0, vocab_size: int = 2048) -> Path:
+    """A Whisper-shaped speech-to-text model, random weights: a one-layer encoder over 80 log-mel bins (30 s clips
+    at 16 kHz, 1,500 positions), a one-layer decoder of 448 positions, width 64, and its processor (Whisper's feature
+    extractor, a byte-level BPE trained here with Whisper's special tokens), which vLLM's Whisper loads. Its weights
+    are drawn wide (std 0.3): at Whisper's 0.02 the decoder writes one token whatever it hears, and the tests could
+    not tell whether the audio reached the encoder."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration,
+                              WhisperProcessor, WhisperTokenizerFast)
+
+    out = Path(out)
+    special = whisper_special_tokens()
+    with _model_dir(out) as tmp:
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.train_from_iterator(_corpus(seed), trainer=trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False))
+        end = special[0]
+        tok = WhisperTokenizerFast(tokenizer_object=bpe, bos_token=end, eos_token=end, unk_token=end, pad_token=end,
+                                   additional_special_tokens=special[1:], model_max_length=448)
+        WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tok).save_pretrained(
+            str(tmp))
+        end_id, start_id = tok.convert_tokens_to_ids(end), tok.convert_tokens_to_ids("<|startoftranscript|>")
+        config = WhisperConfig(vocab_size=len(tok), num_mel_bins=80, encoder_layers=1, decoder_layers=1, d_model=64,
+                               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=128,
+                               decoder_ffn_dim=128, max_source_positions=1500, max_target_positions=448,
+                               pad_token_id=end_id, bos_token_id=end_id, eos_token_id=end_id,
+                               decoder_start_token_id=start_id, begin_suppress_tokens=None, suppress_tokens=None,
+                               init_std=0.3)
+        torch.manual_seed(seed)
+        WhisperForConditionalGeneration(config).save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": end_id, "eos_token_id": end_id, "decoder_start_token_id": start_id}, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="model directory to create (replaced if it exists)")
-    p.add_argument("--kind", choices=["llm", "lora", "embedding", "classifier", "cross-encoder", "vision"],
+    p.add_argument("--kind", choices=["llm", "lora", "embedding", "classifier", "cross-encoder", "vision", "whisper"],
                    default="llm",
                    help="llm: the tiny Llama; lora: a LoRA adapter for the tiny Llama given by --base; embedding: a "
                         "sentence-transformers embedding model of it; classifier: a moderation classifier of it "
                         "(OpenAI's categories as labels); cross-encoder: a one-label relevance scorer of it (score, "
-                        "rerank); vision: a LLaVA-shaped vision-language model around a tiny Llama")
+                        "rerank); vision: a LLaVA-shaped vision-language model around a tiny Llama; whisper: a "
+                        "Whisper-shaped speech-to-text model (transcriptions, translations)")
     p.add_argument("--base", help="with --kind lora, embedding, classifier or cross-encoder: the tiny Llama's "
                                   "directory (built first when not given, but for lora)")
     p.add_argument("--seed", type=int, default=0, help="seed for the corpus, the tokenizer and the weights")
@@ -352,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                  vocab_size=args.vocab_size, max_len=args.max_len)
             out = build_classifier(base, Path(args.out), seed=args.seed, cross_encoder=args.kind == "cross-encoder")
             print(f"tiny {args.kind} written to {out}")
+        return 0
+    if args.kind == "whisper":
+        print(f"tiny speech-to-text model written to {build_whisper(Path(args.out), seed=args.seed)}")
         return 0
     if args.kind == "vision":
         out = build_vision(Path(args.out), seed=args.seed, vocab_size=args.vocab_size, max_len=args.max_len)

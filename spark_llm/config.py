@@ -26,7 +26,7 @@ DESIGN_NAMES: dict[str, str] = {
 
 #: Setting groups, in the order ``spark-llm run --help`` shows them. Every field names its group once, below.
 GROUPS = ("input", "table input", "output", "model and engine", "sampling defaults", "moderations", "limits",
-          "images", "partitioning and waves", "cluster")
+          "images and audio", "partitioning and waves", "cluster")
 
 
 #: Batch priorities, most urgent first (``priority``; the batch service's ``metadata.priority``).
@@ -71,9 +71,9 @@ class ModelEntry(BaseModel):
     name: str = Field(description="The model's name in body.model and in its responses.")
     path: str = Field(description="Model directory, filesystem URI or Hugging Face repo id, as --model.")
     kind: Literal["auto", "generate", "embed", "classify"] = Field(
-        "auto", description="generate (chat, completions, responses), embed (embeddings) or classify (moderations, "
-        "classify: a sequence classifier), the last two on vLLM's pooling runner; auto: read from the model "
-        "directory, as runner auto.")
+        "auto", description="generate (chat, completions, responses; a Whisper model: transcriptions, "
+        "translations), embed (embeddings) or classify (moderations, classify: a sequence classifier), the last two "
+        "on vLLM's pooling runner; auto: read from the model directory, as runner auto.")
 
     @field_validator("name", "path")
     @classmethod
@@ -359,24 +359,30 @@ class BatchConfig(BaseModel):
     allowed_media_paths: Optional[str] = Field(
         None, description="Comma-separated directories or storage URIs (s3a://bucket/images/, /Volumes/...) that "
         "image paths in requests may point into; others are invalid_image_url rows. Default: the directory of "
-        "the input file.", json_schema_extra=group("images"))
+        "the input file.", json_schema_extra=group("images and audio"))
     allowed_media_domains: Optional[str] = Field(
         None, description="Comma-separated hosts (and their subdomains) that http(s) image URLs may be fetched "
         "from, as vLLM's setting of that name. Default none: a batch job does not fetch the URLs a file names "
-        "from inside the cluster unless told to.", json_schema_extra=group("images"))
+        "from inside the cluster unless told to.", json_schema_extra=group("images and audio"))
     media_files: dict[str, str] = Field(
-        default_factory=dict, description="Uploaded images that Responses lines may name by input_image.file_id: "
-        "file id -> where it is stored (the batch service gives a batch its key's files of purpose vision).",
-        json_schema_extra=group("images"))
+        default_factory=dict, description="Uploaded files that requests may name by id (images by Responses' "
+        "input_image.file_id, audio by a transcription's file): file id -> where it is stored (the batch service "
+        "gives a batch its key's files of purpose vision and user_data).",
+        json_schema_extra=group("images and audio"))
     max_image_bytes: int = Field(
         20_000_000, ge=1, description="Largest image a request may send, in bytes (encoded); larger ones are "
-        "image_too_large rows.", json_schema_extra=group("images"))
+        "image_too_large rows.", json_schema_extra=group("images and audio"))
     max_image_pixels: int = Field(
         40_000_000, ge=1, description="Largest image in pixels (width x height); larger ones are image_too_large "
-        "rows (a decompression bomb is refused before it is decoded).", json_schema_extra=group("images"))
+        "rows (a decompression bomb is refused before it is decoded).", json_schema_extra=group("images and audio"))
     media_fetch_timeout_seconds: float = Field(
-        20.0, gt=0, description="Seconds an http(s) image fetch may take (allowed domains only).",
-        json_schema_extra=group("images"))
+        20.0, gt=0, description="Seconds an http(s) image or audio fetch may take (allowed domains only).",
+        json_schema_extra=group("images and audio"))
+    max_audio_bytes: int = Field(
+        25_000_000, ge=1, description="Largest audio file a transcription or translation may send, in bytes (OpenAI's "
+        "limit); larger ones are audio_too_large rows, as are files longer than the model hears at once (Whisper: "
+        "30 s). Audio files come from where images may (allowed_media_paths, allowed_media_domains, data: URLs).",
+        json_schema_extra=group("images and audio"))
     max_requests: Optional[int] = Field(
         None, ge=1, description="Most non-blank input lines one batch may hold; a larger input stops the job before "
         "any inference. None: no limit.",

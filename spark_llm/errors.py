@@ -26,6 +26,10 @@ class ErrorCode(str, Enum):
     IMAGE_PARSE_ERROR = "image_parse_error"        # a corrupt or truncated image
     IMAGE_TOO_LARGE = "image_too_large"            # over max_image_bytes or max_image_pixels
     IMAGE_NOT_SUPPORTED = "image_not_supported"    # an image sent to a model without a vision encoder
+    INVALID_AUDIO_URL = "invalid_audio_url"        # an audio file's URL or path refused, missing or unreadable
+    INVALID_AUDIO_FORMAT = "invalid_audio_format"  # not audio, or a format not supported
+    AUDIO_PARSE_ERROR = "audio_parse_error"        # a corrupt or truncated audio file
+    AUDIO_TOO_LARGE = "audio_too_large"            # over max_audio_bytes, or longer than the model hears at once
     BATCH_CANCELLED = "batch_cancelled"            # the batch was cancelled before the request ran
     BATCH_EXPIRED = "batch_expired"                # the batch's completion window ran out before it ran
 

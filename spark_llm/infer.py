@@ -22,16 +22,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from . import faults
+from .audio import measure as measure_audio
 from .config import PRIORITIES, config_view
 from .endpoints import BY_KIND, Classes, Reply, moderations
 from .endpoints.common import with_request_seed
-from .engine_host import (EngineClient, EngineDied, EngineGone, EngineRequest, EngineSpec, EngineTask, Parse,
+from .engine_host import (EngineClient, EngineDied, EngineGone, EngineRequest, EngineSpec, Parse,
                           ProcessSettings, RequestFailure, TaskPlace, engine_for)
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .engine_host.placement import task_gpus
+from .engine_host.protocol import AudioClip
 from .errors import ErrorCode, RequestError, truncate
 from .filesystems import S3Access, s3_access
-from .media import MediaPolicy, label, read_image
+from .media import AUDIO, MediaPolicy, label, read_media
 from .schemas import RESULT_FIELDS
 
 if TYPE_CHECKING:
@@ -241,17 +243,28 @@ def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy, batch_se
                       bool(opts.get("echo_prompt")))
         urls = opts.get("images") or []
         try:
-            images = tuple(read_image(u, media, label(k, len(urls), u)) for k, u in enumerate(urls))
+            images = tuple(read_media(u, media, label(k, len(urls), u)) for k, u in enumerate(urls))
+            clip = _audio_clip(opts, media)
         except RequestError as exc:
-            unreadable[i] = RequestFailure("image", exc.message, exc.code.value)
+            unreadable[i] = RequestFailure("media", exc.message, exc.code.value)
             continue
-        seeded = batch_seed is not None and endpoint.TASK is EngineTask.GENERATE
+        seeded = batch_seed is not None and endpoint.TASK.generates
         for k, ids in enumerate(prompts):
             ids = ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
             params = with_request_seed(sampling, batch_seed, str(custom_id), k) if seeded else sampling
-            requests.append(EngineRequest(ids, params, endpoint.TASK, parse, opts.get("adapter"), images))
+            requests.append(EngineRequest(ids, params, endpoint.TASK, parse, opts.get("adapter"), images, clip))
             owner.append(i)
     return requests, owner, unreadable
+
+
+def _audio_clip(options: dict, media: MediaPolicy) -> Optional[AudioClip]:
+    """A transcription's audio as read, for its model's rate (decoded by the engine); its length goes to the
+    options, for the answer's usage in seconds. None for a request without audio."""
+    if options.get("audio") is None:
+        return None
+    data = read_media(options["audio"], media, "the request's audio", AUDIO)
+    options["seconds"] = measure_audio(data, "the request's audio").seconds
+    return AudioClip(data, int(options["sample_rate"]))
 
 
 def _answer(row: dict, outputs: list, kind: str, reply: Reply, simulated: Optional[str] = None) -> None:
@@ -260,7 +273,7 @@ def _answer(row: dict, outputs: list, kind: str, reply: Reply, simulated: Option
     has one, its ``system_fingerprint``."""
     failure = next((o for o in outputs if isinstance(o, RequestFailure)), None)
     if failure is not None:
-        if failure.code is not None:  # a bad image
+        if failure.code is not None:  # a bad image or audio file
             row.update(error_code=failure.code, error_message=truncate(failure.message, 1000))
         elif failure.kind == "invalid":
             row.update(error_code=ErrorCode.INVALID_REQUEST.value,

@@ -1,7 +1,9 @@
-"""Images in requests: where an image may come from, what it costs in prompt tokens, and how it reaches the engine.
+"""Images (and audio files) in requests: where one may come from, what it costs in prompt tokens, and how it reaches
+the engine. An audio file is read the same way, under the same policy (a :class:`Medium` names its codes and
+limit); :mod:`~spark_llm.audio` measures and decodes it.
 
 An image part's URL is checked where its line is validated (:func:`check_url`: the scheme, the domain or storage it
-names, a ``data:`` URL's size), read and measured where the prompt tokens are counted (:func:`read_image`,
+names, a ``data:`` URL's size), read and measured where the prompt tokens are counted (:func:`read_media`,
 :func:`measure`: its bytes, format and pixel size, without decoding it; the model's processor says how many tokens
 it becomes), read again by the inference task, and decoded once, in the engine process (:func:`decode`), whose
 vLLM resizes it as the model wants. Every problem is a :class:`~spark_llm.errors.RequestError` with the code of
@@ -22,7 +24,7 @@ import hashlib
 import io
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 from urllib.parse import urlsplit
 
 from .errors import ErrorCode, RequestError
@@ -34,22 +36,44 @@ STORAGE_SCHEMES = ("s3a", "s3", "s3n", "gs", "gcs", "abfss", "abfs", "hdfs", "vi
 #: The codes of a bad image's error row.
 IMAGE_CODES = (ErrorCode.INVALID_IMAGE_URL, ErrorCode.INVALID_IMAGE_FORMAT, ErrorCode.IMAGE_PARSE_ERROR,
                ErrorCode.IMAGE_TOO_LARGE, ErrorCode.IMAGE_NOT_SUPPORTED)
-_DATA_URL = re.compile(r"data:(image/[\w.+-]+)?(;[\w=.+-]+)*?;base64,", re.IGNORECASE)
+_DATA_URL = re.compile(r"data:((?:image|audio)/[\w.+-]+)?(;[\w=.+-]+)*?;base64,", re.IGNORECASE)
 #: A data: URL inside a request's JSON text (for :func:`without_data_urls`).
 _DATA_URL_IN_JSON = re.compile(r'"(data:[^",;]*(?:;[^",;]*)*;base64,)([A-Za-z0-9+/=\s\\n]*)"')
 
 
+class Medium(NamedTuple):
+    """What a request's file is, for the words and codes of its problems: an image or an audio file."""
+
+    noun: str                  #: how messages name one
+    mime: str                  #: the media type's top level (a data: URL's ``data:<mime>/<format>``)
+    url_code: ErrorCode        #: its URL or path refused, missing or unreadable
+    too_large_code: ErrorCode  #: over its policy's byte limit
+    limit_setting: str         #: the setting of :class:`MediaPolicy` that limits its bytes
+    purpose: str               #: the purpose of an upload that holds one (the batch service's Files API)
+
+
+IMAGE = Medium("image", "image", ErrorCode.INVALID_IMAGE_URL, ErrorCode.IMAGE_TOO_LARGE, "max_image_bytes", "vision")
+AUDIO = Medium("audio file", "audio", ErrorCode.INVALID_AUDIO_URL, ErrorCode.AUDIO_TOO_LARGE, "max_audio_bytes",
+               "user_data")
+
+
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Where a run's images may come from and how large they may be (the config's settings of these names)."""
+    """Where a run's images and audio files may come from and how large they may be (the config's settings of these
+    names)."""
 
     allowed_media_domains: tuple[str, ...] = ()
     allowed_media_paths: tuple[str, ...] = ()
     max_image_bytes: int = 20_000_000
     max_image_pixels: int = 40_000_000
     media_fetch_timeout_seconds: float = 20.0
-    #: uploaded images by file id: (file id, where it is stored), read wherever they are
+    #: uploaded images (and audio files) by file id: (file id, where it is stored), read wherever they are
     media_files: tuple[tuple[str, str], ...] = ()
+    max_audio_bytes: int = 25_000_000  #: OpenAI's limit of an audio file, and vLLM's default
+
+    def limit(self, medium: Medium) -> int:
+        """The most bytes a file of ``medium`` may have."""
+        return int(getattr(self, medium.limit_setting))
 
     @classmethod
     def of(cls, cfg: Any) -> "MediaPolicy":
@@ -58,16 +82,16 @@ class MediaPolicy:
         if not paths and cfg.input:
             paths = tuple(_parent(p) for p in str(cfg.input).split(",") if p.strip())
         return cls(_split(cfg.allowed_media_domains), paths, cfg.max_image_bytes, cfg.max_image_pixels,
-                   cfg.media_fetch_timeout_seconds, tuple(sorted(cfg.media_files.items())))
+                   cfg.media_fetch_timeout_seconds, tuple(sorted(cfg.media_files.items())), cfg.max_audio_bytes)
 
-    def stored_file(self, file_id: Any, where: str) -> str:
-        """Where the uploaded image ``file_id`` is stored; an id that is not one of :attr:`media_files` is the
-        request's ``invalid_image_url``."""
+    def stored_file(self, file_id: Any, where: str, medium: Medium = IMAGE) -> str:
+        """Where the uploaded file ``file_id`` is stored; an id that is not one of :attr:`media_files` is the
+        request's ``invalid_image_url`` (``invalid_audio_url``)."""
         location = dict(self.media_files).get(file_id) if isinstance(file_id, str) else None
         if location is None:
-            raise RequestError(ErrorCode.INVALID_IMAGE_URL,
-                               f"{where}: {str(file_id)[:80]!r} is not an image file of this batch's owner; upload "
-                               f"the image with purpose 'vision' and give its id")
+            raise RequestError(medium.url_code,
+                               f"{where}: {str(file_id)[:80]!r} is not a file of this batch's owner; upload the "
+                               f"{medium.noun} with purpose {medium.purpose!r} and give its id")
         return location
 
 
@@ -80,7 +104,7 @@ def _parent(path: str) -> str:
     return path.rsplit("/", 1)[0] + "/" if "/" in path else "./"
 
 
-def check_url(url: Any, policy: MediaPolicy, where: str) -> str:
+def check_url(url: Any, policy: MediaPolicy, where: str, medium: Medium = IMAGE) -> str:
     """``url`` if a request may name it (validation, without reading it); else the error that says why."""
     if not isinstance(url, str) or not url:
         raise RequestError(ErrorCode.INVALID_REQUEST, f"{where} must be a non-empty string (a data: URL, a path "
@@ -88,30 +112,30 @@ def check_url(url: Any, policy: MediaPolicy, where: str) -> str:
     if url[:5].lower() == "data:":
         header = _DATA_URL.match(url)
         if header is None:
-            raise RequestError(ErrorCode.INVALID_IMAGE_URL, f"{where} is a data: URL that is not base64 "
-                                                            f"(data:image/<format>;base64,<bytes>)")
+            raise RequestError(medium.url_code, f"{where} is a data: URL that is not base64 "
+                                                f"(data:{medium.mime}/<format>;base64,<bytes>)")
         size = (len(url) - header.end()) * 3 // 4
-        if size > policy.max_image_bytes:
-            raise _too_large(where, size, policy)
+        if size > policy.limit(medium):
+            raise _too_large(where, size, policy, medium)
         return url
     scheme = urlsplit(url).scheme.lower() if "://" in url or url.startswith(("file:", "dbfs:")) else ""
     if scheme in ("http", "https"):
         host = (urlsplit(url).hostname or "").lower()
         if not any(host == d.lower() or host.endswith("." + d.lower()) for d in policy.allowed_media_domains):
             allowed = ", ".join(policy.allowed_media_domains) or "none"
-            raise RequestError(ErrorCode.INVALID_IMAGE_URL,
+            raise RequestError(medium.url_code,
                                f"{where}: fetching {host or url[:60]!r} is refused (allowed media domains: "
-                               f"{allowed}); send the image as a data: URL or a path, or add its host to "
+                               f"{allowed}); send the {medium.noun} as a data: URL or a path, or add its host to "
                                f"--allowed-media-domains")
         return url
     if scheme and scheme not in STORAGE_SCHEMES:
-        raise RequestError(ErrorCode.INVALID_IMAGE_URL, f"{where}: {scheme}:// is not a scheme images are read "
-                                                        f"from (data:, http(s):, a path or a storage URI)")
+        raise RequestError(medium.url_code, f"{where}: {scheme}:// is not a scheme files are read from (data:, "
+                                            f"http(s):, a path or a storage URI)")
     if not any(_under(url, prefix) for prefix in policy.allowed_media_paths):
         allowed = ", ".join(policy.allowed_media_paths) or "none"
-        raise RequestError(ErrorCode.INVALID_IMAGE_URL,
-                           f"{where}: {url[:200]!r} is outside the storage images are read from ({allowed}); "
-                           f"set --allowed-media-paths to the directories that hold the images")
+        raise RequestError(medium.url_code,
+                           f"{where}: {url[:200]!r} is outside the storage media files are read from ({allowed}); "
+                           f"set --allowed-media-paths to the directories that hold them")
     return url
 
 
@@ -147,22 +171,21 @@ def label(k: int, n: int, url: str) -> str:
     return f"image {k + 1} of {n} ({shown})"
 
 
-def read_image(url: str, policy: MediaPolicy, where: str = "image") -> bytes:
-    """The bytes of the image ``url`` names (checked by :func:`check_url` first, unless it is where an uploaded
-    image is stored): decoded from a ``data:`` URL, read from storage, or fetched from an allowed host; at most
-    ``max_image_bytes``."""
+def read_media(url: str, policy: MediaPolicy, where: str = "image", medium: Medium = IMAGE) -> bytes:
+    """The bytes of the image (or other ``medium``) ``url`` names (checked by :func:`check_url` first, unless it is
+    where an uploaded file is stored): decoded from a ``data:`` URL, read from storage, or fetched from an allowed
+    host; at most the policy's limit for the medium."""
     if not any(url == location for _, location in policy.media_files):
-        check_url(url, policy, where)
+        check_url(url, policy, where, medium)
     if url[:5].lower() == "data:":
         payload = url[_DATA_URL.match(url).end():]  # type: ignore[union-attr]
         try:
             return base64.b64decode(payload, validate=False)
         except (binascii.Error, ValueError) as exc:
-            raise RequestError(ErrorCode.INVALID_IMAGE_URL, f"{where}: the data: URL's base64 does not decode "
-                                                            f"({exc})") from None
-    limit = policy.max_image_bytes
+            raise RequestError(medium.url_code, f"{where}: the data: URL's base64 does not decode ({exc})") from None
+    limit = policy.limit(medium)
     if url.lower().startswith(("http://", "https://")):
-        return _fetch(url, policy, where)
+        return _fetch(url, policy, where, medium)
     from .filesystems import python_filesystem
 
     try:
@@ -170,35 +193,35 @@ def read_image(url: str, policy: MediaPolicy, where: str = "image") -> bytes:
         with fs.open_input_stream(path) as f:
             data = f.read(limit + 1)
     except FileNotFoundError:
-        raise RequestError(ErrorCode.INVALID_IMAGE_URL, f"{where}: {url[:200]!r} does not exist") from None
+        raise RequestError(medium.url_code, f"{where}: {url[:200]!r} does not exist") from None
     except (OSError, ValueError) as exc:
-        raise RequestError(ErrorCode.INVALID_IMAGE_URL, f"{where}: {url[:200]!r} cannot be read "
-                                                        f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise RequestError(medium.url_code, f"{where}: {url[:200]!r} cannot be read "
+                                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
     if len(data) > limit:
-        raise _too_large(where, len(data), policy, at_least=True)
+        raise _too_large(where, len(data), policy, medium, at_least=True)
     return data
 
 
-def _fetch(url: str, policy: MediaPolicy, where: str) -> bytes:
+def _fetch(url: str, policy: MediaPolicy, where: str, medium: Medium) -> bytes:
     import urllib.error
     import urllib.request
 
-    limit = policy.max_image_bytes
+    limit = policy.limit(medium)
     try:
         with urllib.request.urlopen(url, timeout=policy.media_fetch_timeout_seconds) as response:  # noqa: S310
             data = response.read(limit + 1)
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise RequestError(ErrorCode.INVALID_IMAGE_URL, f"{where}: fetching {url[:200]!r} failed "
-                                                        f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise RequestError(medium.url_code, f"{where}: fetching {url[:200]!r} failed "
+                                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
     if len(data) > limit:
-        raise _too_large(where, len(data), policy, at_least=True)
+        raise _too_large(where, len(data), policy, medium, at_least=True)
     return data
 
 
-def _too_large(where: str, size: int, policy: MediaPolicy, at_least: bool = False) -> RequestError:
+def _too_large(where: str, size: int, policy: MediaPolicy, medium: Medium, at_least: bool = False) -> RequestError:
     more = "more than " if at_least else ""
-    return RequestError(ErrorCode.IMAGE_TOO_LARGE, f"{where} is {more}{size:,} bytes, over max_image_bytes "
-                                                   f"{policy.max_image_bytes:,}; send a smaller image")
+    return RequestError(medium.too_large_code, f"{where} is {more}{size:,} bytes, over {medium.limit_setting} "
+                                               f"{policy.limit(medium):,}; send a smaller {medium.noun}")
 
 
 def measure(data: bytes, policy: MediaPolicy, where: str = "image") -> tuple[int, int]:

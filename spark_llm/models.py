@@ -213,13 +213,17 @@ def model_runner(model: str) -> str:
     return "pooling" if archs and not any(a.endswith(_GENERATIVE) for a in archs) else "generate"
 
 
+#: The speech-to-text architectures whose prompts spark_llm writes (Whisper's special tokens, its encoder's audio).
+SPEECH_TO_TEXT = ("WhisperForConditionalGeneration",)
+
+
 def model_tasks(model: str, runner: str) -> tuple[EngineTask, ...]:
     """What the model directory's engines do on ``runner`` (resolved: generate or pooling), as vLLM decides it from
-    the architecture: generation; on the pooling runner a sequence classifier (``*ForSequenceClassification``)
-    classifies, any other model embeds."""
-    if runner != "pooling":
-        return (EngineTask.GENERATE,)
+    the architecture: generation, or transcription for a speech-to-text model (:data:`SPEECH_TO_TEXT`); on the
+    pooling runner a sequence classifier (``*ForSequenceClassification``) classifies, any other model embeds."""
     archs = _config(model).get("architectures") or []
+    if runner != "pooling":
+        return (EngineTask.TRANSCRIBE,) if any(a in SPEECH_TO_TEXT for a in archs) else (EngineTask.GENERATE,)
     return (EngineTask.CLASSIFY,) if any(str(a).endswith("ForSequenceClassification") for a in archs) else (
         EngineTask.EMBED,)
 
@@ -280,14 +284,15 @@ def check_adapters(lora_modules: dict[str, str], max_lora_rank: int) -> None:
 
 
 def model_context_length(model: str) -> int:
-    """The model's context length, read from its ``config.json`` (max_position_embeddings or the like)."""
+    """The model's context length, read from its ``config.json`` (max_position_embeddings or the like; an
+    encoder-decoder's is its decoder's, Whisper's ``max_target_positions``)."""
     config_file = Path(model or "") / "config.json"
     try:
         model_conf = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {config_file} to find the model's context length ({exc}); set "
                           f"--max-model-len / MAX_MODEL_LEN") from None
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_target_positions"):
         value = model_conf.get(key) or (model_conf.get("text_config") or {}).get(key)
         if isinstance(value, int) and value > 0:
             return value

@@ -12,10 +12,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from . import audio
 from .endpoints import BY_KIND
 from .endpoints.common import check_token_ids
 from .errors import ErrorCode, RequestError
-from .media import MediaPolicy, image_tokens, label, measure, read_image
+from .media import AUDIO, MediaPolicy, image_tokens, label, measure, read_media
 from .partition import prefix_key
 from .schemas import PREFIX_COL
 from .tokenizers import get_tokenizer
@@ -82,10 +83,10 @@ def count_row(tokenizer: Any, kind: str, prompt_json: str, sampling_json: str, c
 
 def count_rows(tokenizer: Any, rows: Sequence[tuple], ctx: TokenContext) -> list[dict]:
     """:func:`count_row` of many valid requests (``kind``, ``prompt_json``, ``sampling_json`` and, for a request
-    with images, their URLs): each prompt rendered (the chat template), then all their texts encoded in one
-    tokenizer call per kind of special tokens, and each image read and measured (:func:`_image_tokens`). A request
-    whose template or tokenizer fails gets an ``invalid_request`` result of its own; one whose image does, that
-    image's error."""
+    with images, their URLs, for one with audio, its URL after them): each prompt rendered (the chat template),
+    then all their texts encoded in one tokenizer call per kind of special tokens, and each image or audio file read
+    and measured (:func:`_image_tokens`, :func:`_audio_tokens`). A request whose template or tokenizer fails gets
+    an ``invalid_request`` result of its own; one whose image or audio does, that file's error."""
     limit = ctx.max_model_len * _MAX_CHARS_PER_TOKEN
     staged: list[Any] = []  # per row: (prompt, sampling, parts, cut, special tokens), or what stopped it
     for kind, prompt_json, sampling_json, *_ in rows:
@@ -100,14 +101,16 @@ def count_rows(tokenizer: Any, rows: Sequence[tuple], ctx: TokenContext) -> list
         if failure is not None:
             staged[r] = failure
     out, vocab = [], len(tokenizer)
-    for (kind, _, sampling_json, *images), st in zip(rows, staged):
+    for (kind, _, sampling_json, *media), st in zip(rows, staged):
+        images, audio_url = (list(media) + [None, None])[:2]
         try:
             if isinstance(st, Exception):
                 raise st
             prompt, sampling, ids, cut, _ = st
-            extra = _image_tokens(ids[0], images[0], ctx) if images and images[0] else 0
-            out.append(_decide(tokenizer, vocab, Rendered(kind, prompt, sampling, sampling_json, ids, cut, extra),
-                               ctx))
+            extra = _image_tokens(ids[0], images, ctx) if images else 0
+            heard = _audio_tokens(audio_url, ctx) if audio_url else 0
+            out.append(_decide(tokenizer, vocab, Rendered(kind, prompt, sampling, sampling_json, ids, cut, extra,
+                                                          heard), ctx))
         except RequestError as exc:
             out.append({"prompt_token_ids": None, "prompt_tokens": None, "notes": None, "est_tokens": None,
                         "sampling_json": sampling_json, "max_tokens": None, "error_code": exc.code.value,
@@ -160,6 +163,9 @@ class Rendered:
     truncated: bool
     #: tokens the prompt's images add beyond their one placeholder token each (the engine expands them)
     image_tokens: int = 0
+    #: what the prompt's audio costs an encoder-decoder's encoder: counted in the request's cost, not in its
+    #: decoder's context
+    encoder_tokens: int = 0
 
 
 def _decide(tokenizer: Any, vocab: int, request: Rendered, ctx: TokenContext) -> dict:
@@ -171,7 +177,7 @@ def _decide(tokenizer: Any, vocab: int, request: Rendered, ctx: TokenContext) ->
     if truncated and longest + max_tokens <= ctx.max_model_len:  # pathological chars/token: count it all
         ids, truncated = render_prompt(tokenizer, kind, prompt)
         longest = max(len(p) for p in ids) + request.image_tokens
-    n_prompt = sum(len(p) for p in ids) + request.image_tokens
+    n_prompt = sum(len(p) for p in ids) + request.image_tokens + request.encoder_tokens
     out = {"prompt_token_ids": ids, "prompt_tokens": n_prompt, "max_tokens": max_tokens, "notes": None,
            "est_tokens": estimated_tokens(n_prompt, len(ids), sampling, max_tokens),
            "sampling_json": sampling_json, "error_code": None, "error_message": None}
@@ -215,8 +221,23 @@ def _image_tokens(ids: list[int], urls: list[str], ctx: TokenContext) -> int:
     extra = 0
     for k, url in enumerate(urls):
         where = label(k, len(urls), url)
-        extra += counter.count(measure(read_image(url, ctx.media, where), ctx.media, where)) - 1
+        extra += counter.count(measure(read_media(url, ctx.media, where), ctx.media, where)) - 1
     return extra
+
+
+def _audio_tokens(url: str, ctx: TokenContext) -> int:
+    """What a request's audio costs the encoder (:meth:`~spark_llm.audio.Hearing.tokens`): the file read and
+    measured from its header; one longer than its model hears at once, or a bad one, raises its error."""
+    from .models import local_copy
+
+    ear = audio.hearing(local_copy(ctx.model, weights=False))
+    where = "the request's audio"
+    info = audio.measure(read_media(url, ctx.media, where, AUDIO), where)
+    if ear is not None and info.seconds > ear.max_seconds:
+        raise RequestError(ErrorCode.AUDIO_TOO_LARGE,
+                           f"{where} is {info.seconds:.1f} s long, longer than the {ear.max_seconds:g} s the model "
+                           f"hears at once; split it into clips of at most {ear.max_seconds:g} s")
+    return ear.tokens(info.seconds) if ear is not None else 0
 
 
 def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, TokenContext]) -> Iterator:
@@ -242,7 +263,7 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
                 by_context.setdefault(ctx, []).append(i)
         for ctx, rows in by_context.items():
             results = count_rows(get_tokenizer(ctx.tokenizer), [(kinds[i], prompts[i], sampling[i],
-                                                                 _images(options[i])) for i in rows], ctx)
+                                                                 *_media(options[i])) for i in rows], ctx)
             for i, res in zip(rows, results):
                 n_col[i] = res["prompt_tokens"]
                 if res["error_code"] is not None:
@@ -259,6 +280,9 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
                             PREFIX_COL: pd.array(key_col, dtype="Int64"), "notes": notes_col})
 
 
-def _images(options_json: Optional[str]) -> Optional[list[str]]:
-    """The image URLs of a request (its options' ``images``), or None."""
-    return json.loads(options_json).get("images") if options_json and '"images"' in options_json else None
+def _media(options_json: Optional[str]) -> tuple[Optional[list[str]], Optional[str]]:
+    """The image URLs of a request (its options' ``images``) and where its audio is (``audio``), or None."""
+    if not options_json or ('"images"' not in options_json and '"audio"' not in options_json):
+        return None, None
+    options = json.loads(options_json)
+    return options.get("images"), options.get("audio")

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence
 
+from .audio import Hearing, hearing
 from .endpoints import ENDPOINTS, SERVED_BY, TASK_MODELS
 from .engine_host.protocol import EngineTask
 from .endpoints.common import json_type as _json_type
@@ -52,6 +53,8 @@ class ValidationContext:
     others: tuple["ValidationContext", ...] = field(default=(), metadata={"derived": True})
     #: the model has a vision encoder: image parts are accepted (see models.takes_images)
     images: bool = field(default=False, metadata={"derived": True})
+    #: how a speech-to-text model hears (:func:`~spark_llm.audio.hearing`); None: the model takes no audio
+    hearing: Optional[Hearing] = field(default=None, metadata={"derived": True})
     #: where images may come from and how large they may be
     media: MediaPolicy = field(default=MediaPolicy(), metadata={"derived": True})
 
@@ -64,9 +67,11 @@ class ValidationContext:
         contexts = []
         for m in models:
             directory = local_copy(m.model, weights=False) if m.model else ""
+            tasks = model_tasks(directory, m.runner)
             contexts.append(replace(config_view(cls, m), media=MediaPolicy.of(m), images=takes_images(directory),
-                                    tasks=model_tasks(directory, m.runner), labels=class_labels(directory),
-                                    token_types=reads_token_types(directory)))
+                                    tasks=tasks, labels=class_labels(directory),
+                                    token_types=reads_token_types(directory),
+                                    hearing=hearing(directory) if EngineTask.TRANSCRIBE in tasks else None))
         first, *rest = contexts
         return replace(first, others=tuple(rest))
 

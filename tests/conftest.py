@@ -22,6 +22,7 @@ EMBEDDING_MODEL = "tiny-embed"  #: the embedding model's directory name, beside 
 VISION_MODEL = "tiny-vlm"  #: the vision-language model's directory and served name
 CLASSIFIER_MODEL = "tiny-moderation"  #: the moderation classifier's directory and served name
 RERANKER_MODEL = "tiny-reranker"  #: the cross-encoder's directory and served name
+WHISPER_MODEL = "tiny-whisper"  #: the speech-to-text model's directory and served name
 #: The shared run holds a request with this custom_id: the Python worker whose partition holds it dies hard once,
 #: right after its engine call (spark_llm.faults), and Spark retries the partition.
 KILL_CUSTOM_ID = "kill-my-worker"
@@ -160,6 +161,41 @@ def reranker_model(tiny_model) -> str:
 def vision_model(tiny_model) -> str:
     """The tiny LLaVA-shaped vision-language model (make_tiny_model.py --kind vision): 16 tokens an image."""
     return str(_load_script("make_tiny_model").build_vision(Path(tiny_model).parent / VISION_MODEL))
+
+
+@pytest.fixture(scope="session")
+def whisper_model(tiny_model) -> str:
+    """The tiny Whisper-shaped speech-to-text model (make_tiny_model.py --kind whisper)."""
+    return str(_load_script("make_tiny_model").build_whisper(Path(tiny_model).parent / WHISPER_MODEL))
+
+
+def wav(seconds: float, rate: int = 16_000, hz: float = 440.0, channels: int = 1, width: int = 2,
+        noise_seed: Any = None) -> bytes:
+    """A PCM WAV file of a sine tone at ``hz`` (or, with ``noise_seed``, white noise), 0.3 of full scale."""
+    import io
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    x = (0.3 * np.random.default_rng(noise_seed).uniform(-1, 1, len(t)) if noise_seed is not None
+         else 0.3 * np.sin(2 * np.pi * hz * t))
+    full = float(1 << (8 * width - 1))
+    ints = np.round(x * (full - 1)).astype(np.int64)
+    if width == 1:
+        raw = (ints + 128).astype(np.uint8).tobytes()
+    elif width == 3:
+        raw = b"".join(int(v).to_bytes(3, "little", signed=True) for v in ints)
+    else:
+        raw = ints.astype({2: "<i2", 4: "<i4"}[width]).tobytes()
+    frames = b"".join(raw[i:i + width] * channels for i in range(0, len(raw), width)) if channels > 1 else raw
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(frames)
+    return buf.getvalue()
 
 
 def write_jsonl(path: Path, lines: list) -> Path:

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import validation_context
 from spark_llm.errors import RequestError
-from spark_llm.media import MediaPolicy, check_url, decode, label, measure, read_image, without_data_urls
+from spark_llm.media import MediaPolicy, check_url, decode, label, measure, read_media, without_data_urls
 from spark_llm.validate import validate_line
 
 
@@ -70,13 +70,13 @@ def test_a_file_uri_in_any_of_its_spellings_is_its_local_path(tmp_path):
         policy = MediaPolicy(allowed_media_paths=(allowed,))
         for url in (str(images / "a.png"), f"file:{images}/a.png", f"file://{images}/a.png",
                     f"file://localhost{images}/a.png"):  # RFC 8089's forms of one local file
-            assert read_image(url, policy) == (images / "a.png").read_bytes(), (allowed, url)
+            assert read_media(url, policy) == (images / "a.png").read_bytes(), (allowed, url)
         with pytest.raises(RequestError, match="does not exist"):  # a missing file is said to be missing
-            read_image(f"file://{images}/missing.png", policy)
+            read_media(f"file://{images}/missing.png", policy)
         for outside in (f"file://{tmp_path}/other.png", f"file://otherhost{images}/a.png",
                         f"file://{images}/../other.png"):
             with pytest.raises(RequestError, match="outside the storage"):
-                read_image(outside, policy)
+                read_media(outside, policy)
 
 
 def test_the_default_paths_are_the_input_s_directory():
@@ -99,22 +99,22 @@ def test_reading_and_measuring_every_bad_image(policy, tmp_path):
     from PIL import Image
 
     Image.new("RGB", (10, 10)).save(images / "a.tiff")
-    ok = read_image(str(images / "ok.png"), policy)
+    ok = read_media(str(images / "ok.png"), policy)
     assert measure(ok, policy) == (30, 40)  # height, width
-    assert read_image(data_url(ok), policy) == ok
+    assert read_media(data_url(ok), policy) == ok
     cases = {"text.png": "invalid_image_format", "a.tiff": "invalid_image_format", "cut.png": "image_parse_error",
              "big.png": "image_too_large"}
     for name, expected in cases.items():
-        assert code(lambda n=name: measure(read_image(str(images / n), policy), policy)) == expected, name
-    assert code(lambda: read_image(str(images / "heavy.bin"), policy)) == "image_too_large"
-    assert code(lambda: read_image(str(images / "missing.png"), policy)) == "invalid_image_url"
+        assert code(lambda n=name: measure(read_media(str(images / n), policy), policy)) == expected, name
+    assert code(lambda: read_media(str(images / "heavy.bin"), policy)) == "image_too_large"
+    assert code(lambda: read_media(str(images / "missing.png"), policy)) == "invalid_image_url"
     assert decode(ok).size == (40, 30)
     # where an uploaded image is stored is read as it is, outside the allowed paths
     uploaded = tmp_path / "service" / "file-xyz"
     uploaded.parent.mkdir()
     uploaded.write_bytes(ok)
-    assert code(lambda: read_image(str(uploaded), policy)) == "invalid_image_url"
-    assert read_image(str(uploaded), replace(policy, media_files=(("file-xyz", str(uploaded)),))) == ok
+    assert code(lambda: read_media(str(uploaded), policy)) == "invalid_image_url"
+    assert read_media(str(uploaded), replace(policy, media_files=(("file-xyz", str(uploaded)),))) == ok
     assert code(lambda: decode(png()[:-30])) == "image_parse_error"  # a truncated file fails where it is decoded
 
 

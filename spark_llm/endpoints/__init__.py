@@ -23,17 +23,18 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..engine_host.protocol import EngineTask
-from . import chat, classify, completions, embeddings, moderations, rerank, responses, score
+from . import (chat, classify, completions, embeddings, moderations, rerank, responses, score, transcriptions,
+               translations)
 from .common import Answer, Checked, Classes, Reply
 
 ENDPOINTS: dict[str, ModuleType] = {m.URL: m for m in (chat, completions, responses, embeddings, moderations,
-                                                        classify, score, rerank)}
+                                                        classify, score, rerank, transcriptions, translations)}
 BY_KIND: dict[str, ModuleType] = {m.KIND: m for m in ENDPOINTS.values()}
 #: The urls a model serves whose engines do each task: those of the endpoints that need it.
 SERVED_BY: dict[EngineTask, tuple[str, ...]] = {task: tuple(m.URL for m in ENDPOINTS.values() if m.TASK is task)
                                                 for task in EngineTask}
 #: What a model doing each task is, in the words of a line sent to the wrong one.
 TASK_MODELS = {EngineTask.GENERATE: "a text generation model", EngineTask.EMBED: "an embedding model",
-               EngineTask.CLASSIFY: "a classification model"}
+               EngineTask.CLASSIFY: "a classification model", EngineTask.TRANSCRIBE: "a speech-to-text model"}
 
 __all__ = ["Answer", "BY_KIND", "Checked", "Classes", "ENDPOINTS", "Reply", "SERVED_BY", "TASK_MODELS"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from ..engine_host.protocol import Choice, EngineRequest, EngineTask, Parse
+from ..engine_host.protocol import Choice, EngineRequest, Parse
 from ..errors import EngineStartError
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ def engine_params(request: EngineRequest) -> Any:
     from vllm import PoolingParams, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    if request.task is not EngineTask.GENERATE:
+    if not request.task.generates:
         return PoolingParams(**{k: v for k, v in request.params.items() if k != "max_tokens"})
     kw = dict(request.params)
     if kw.get("structured_outputs"):

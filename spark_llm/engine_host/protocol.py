@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 
 #: Version of what crosses the socket, part of every engine's key: a task never talks to an engine server of an
 #: older spark_llm that may still be running on the host.
-PROTOCOL = 7
+PROTOCOL = 8
 #: Requests per message of a streamed call: the engine starts on the first chunk while the rest are on their way.
 STREAM_CHUNK = 256
 
@@ -55,11 +55,17 @@ class EngineTask(str, Enum):
     GENERATE = "generate"
     EMBED = "embed"
     CLASSIFY = "classify"  #: a sequence classifier's class probabilities (moderations, classify, score, rerank)
+    TRANSCRIBE = "transcribe"  #: a speech-to-text model's text of an audio clip (transcriptions, translations)
+
+    @property
+    def generates(self) -> bool:
+        """Whether an engine generates tokens for it (vLLM's ``generate``), rather than pooling."""
+        return self in (EngineTask.GENERATE, EngineTask.TRANSCRIBE)
 
     @property
     def runner(self) -> str:
         """The vLLM runner of the engines that do this task (``runner`` in the settings): generate or pooling."""
-        return "generate" if self is EngineTask.GENERATE else "pooling"
+        return "generate" if self.generates else "pooling"
 
 
 #: The ``vllm.LLM`` method that does each pooling task, over whole calls (a new pooling task is a line here).
@@ -74,6 +80,14 @@ class Parse(NamedTuple):
     echo: bool = False  #: give the prompt back as text (:attr:`Output.prompt_text`; completions' ``echo``)
 
 
+class AudioClip(NamedTuple):
+    """An audio file as read (WAV, or what ``soundfile`` reads), and the sampling rate its model hears at: the
+    engine decodes it to that rate (:func:`~spark_llm.audio.decode_clip`)."""
+
+    data: bytes
+    sample_rate: int
+
+
 class EngineRequest(NamedTuple):
     """One prompt of a request, as it crosses to the engine (a named tuple: it pickles as cheaply as a tuple)."""
 
@@ -83,6 +97,8 @@ class EngineRequest(NamedTuple):
     parse: Parse = Parse()
     adapter: Optional[str] = None  #: the LoRA adapter to run it with (None: the base model)
     images: tuple[bytes, ...] = ()  #: the request's images as read, decoded by the engine
+    #: the audio a speech-to-text model's encoder hears (:attr:`EngineTask.TRANSCRIBE`); token_ids: its decoder's
+    audio: Optional[AudioClip] = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +199,7 @@ class Output:
             return cls(prompt, [], cached, task, embedding=[float(x) for x in out.outputs.embedding])
         if task is EngineTask.CLASSIFY:
             return cls(prompt, [], cached, task, probs=[float(x) for x in out.outputs.probs])
+        # a transcription's prompt_token_ids are its decoder's (vLLM keeps the encoder's apart)
         return cls(prompt, [Choice(c.index, c.text, list(c.token_ids), c.finish_reason, logprobs(c))
                             for c in out.outputs], cached, task)
 
@@ -190,7 +207,7 @@ class Output:
 @dataclass
 class RequestFailure:
     """Why one request got no output: ``invalid`` sampling settings, an ``engine`` error on this request, or a bad
-    ``image`` (``code``: its error code, :data:`~spark_llm.media.IMAGE_CODES`)."""
+    ``image`` or audio file (``code``: its error code, :data:`~spark_llm.media.IMAGE_CODES`, ``audio_*``)."""
 
     kind: str
     message: str

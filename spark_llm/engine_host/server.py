@@ -458,12 +458,12 @@ class EngineServer:
             # the adapter of each request rides with its settings, so that bisection keeps them paired
             paired.append((params, self.adapters.get(request.adapter)))
             index.append(i)
-        call = self.engine.generate if task is EngineTask.GENERATE else getattr(self.engine, POOLING_CALLS[task])
+        call = self.engine.generate if task.generates else getattr(self.engine, POOLING_CALLS[task])
 
         def run(p: list, s: list) -> list:
             lora = [a for _, a in s] if any(a is not None for _, a in s) else None
             params = [x for x, _ in s]
-            if task is EngineTask.GENERATE:
+            if task.generates:
                 return call(p, params, lora_request=lora, use_tqdm=False)
             return call(p, pooling_params=params, lora_request=lora, use_tqdm=False)
         outs = generate_isolating(run, prompts, paired)
@@ -573,14 +573,21 @@ def engine_inputs(request: EngineRequest) -> "tuple[dict, Any] | RequestFailure"
     try:
         return engine_prompt(request), engine_params(request)
     except RequestError as exc:
-        return RequestFailure("image", exc.message, exc.code.value)
+        return RequestFailure("media", exc.message, exc.code.value)
     except Exception as exc:
         return RequestFailure("invalid", f"{type(exc).__name__}: {exc}")
 
 
 def engine_prompt(request: EngineRequest) -> dict:
     """vLLM's prompt for a request: its token ids, and its images decoded, here and only here
-    (:func:`~spark_llm.media.decode`; vLLM's processor resizes them and expands each image's placeholder token)."""
+    (:func:`~spark_llm.media.decode`; vLLM's processor resizes them and expands each image's placeholder token).
+    A request with audio is an encoder-decoder prompt, as vLLM's Whisper takes it: the audio decoded at its model's
+    rate (:func:`~spark_llm.audio.decode_clip`) for the encoder, the token ids for the decoder."""
+    if request.audio is not None:
+        from ..audio import decode_clip
+
+        return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": decode_clip(request.audio)}},
+                "decoder_prompt": {"prompt_token_ids": request.token_ids}}
     prompt: dict[str, Any] = {"prompt_token_ids": request.token_ids}
     if request.images:
         count = len(request.images)
