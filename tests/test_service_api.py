@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import eventually
+from conftest import eventually, wav
 
 openai = pytest.importorskip("openai")
 
@@ -239,9 +239,10 @@ def test_metrics_report_the_queue_and_this_host_s_gpus(api, tmp_path, monkeypatc
     assert values['spark_llm_batches{status="validating"}'] >= 1  # the batches the other tests created
 
 
-def test_images_uploaded_with_purpose_vision_are_the_owner_s_for_its_batches(api, tmp_path):
+def test_images_and_audio_uploaded_for_requests_are_the_owner_s_for_its_batches(api, tmp_path):
     """A picture uploaded with purpose vision (openai-python's files.create) is what a batch's Responses lines name by
-    input_image.file_id: the scheduler gives each batch its own key's images and no other key's."""
+    input_image.file_id, an audio file with purpose user_data what its transcriptions name by file: the scheduler
+    gives each batch its own key's files and no other key's."""
     import io
 
     from PIL import Image
@@ -259,9 +260,14 @@ def test_images_uploaded_with_purpose_vision_are_the_owner_s_for_its_batches(api
     theirs = other.files.create(file=("dog.png", buf.getvalue()), purpose="vision")
     store, scheduler = api["store"], api["scheduler"]
     owner = store.file(image.id).owner
-    images = scheduler.runner.images_of(owner)
-    assert image.id in images and theirs.id not in images
-    assert Path(images[image.id]).read_bytes() == buf.getvalue()
+    clip = client.files.create(file=("call.wav", wav(0.5)), purpose="user_data")
+    assert clip.purpose == "user_data"
+    with pytest.raises(openai.BadRequestError, match="purpose 'user_data' is an audio file") as refused:
+        client.files.create(file=("notes.wav", b"not audio at all"), purpose="user_data")
+    assert refused.value.code == "invalid_file_format"
+    media = scheduler.runner.media_of(owner)
+    assert set(media) >= {image.id, clip.id} and theirs.id not in media
+    assert Path(media[image.id]).read_bytes() == buf.getvalue() and Path(media[clip.id]).read_bytes() == wav(0.5)
 
 
 def test_every_endpoint_a_batch_line_may_name_is_a_batch_endpoint(api, tmp_path):
@@ -269,11 +275,12 @@ def test_every_endpoint_a_batch_line_may_name_is_a_batch_endpoint(api, tmp_path)
 
     client = api["client"]
     source = client.files.create(file=jsonl(tmp_path / "e.jsonl", 1).open("rb"), purpose="batch")
-    for url in ("/v1/moderations", "/v1/classify", "/v1/embeddings"):
+    for url in ("/v1/moderations", "/v1/classify", "/v1/embeddings", "/v1/audio/transcriptions",
+                "/v1/audio/translations"):
         assert url in ENDPOINTS
         assert client.batches.create(input_file_id=source.id, endpoint=url, completion_window="24h").endpoint == url
-    with pytest.raises(openai.BadRequestError, match="Unsupported endpoint '/v1/audio/transcriptions'"):
-        client.batches.create(input_file_id=source.id, endpoint="/v1/audio/transcriptions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="Unsupported endpoint '/v1/images/generations'"):
+        client.batches.create(input_file_id=source.id, endpoint="/v1/images/generations", completion_window="24h")
 
 
 def test_another_key_s_id_is_no_cursor(api, tmp_path):

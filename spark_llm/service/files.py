@@ -208,12 +208,12 @@ class TextCheck:
                                    param="file", code="empty_file")
 
 
-class ImageCheck:
-    """An image file's bytes as they arrive (purpose ``vision``: a picture a batch's requests name by
-    ``input_image.file_id``): at most ``limit`` of them, and a picture of a format requests may send, told from its
-    header (:data:`~spark_llm.media.FORMATS`). Whether it decodes is the request's to find out, as any image's."""
+class MediaCheck:
+    """A media file's bytes as they arrive: at most ``limit`` of them, and of a format requests may send, told from
+    its header (:meth:`problem`). Whether it decodes is the request's to find out, as any image's or audio file's."""
 
     HEAD = 1 << 16  #: bytes kept for the header (a JPEG's size is in its first kilobytes, past any EXIF)
+    NOUN = "file"
 
     def __init__(self, limit: int):
         self.limit, self.bytes, self.head = limit, 0, b""
@@ -221,12 +221,28 @@ class ImageCheck:
     def feed(self, data: bytes) -> None:
         self.bytes += len(data)
         if self.bytes > self.limit:
-            raise APIError.invalid(f"The image is larger than this server's limit of {self.limit} bytes.",
+            raise APIError.invalid(f"The {self.NOUN} is larger than this server's limit of {self.limit} bytes.",
                                    param="file", code="file_too_large")
         if len(self.head) < self.HEAD:
             self.head += data[:self.HEAD - len(self.head)]
 
     def close(self) -> None:
+        problem = self.problem(self.head)
+        if problem is not None:
+            raise APIError.invalid(problem, param="file", code="invalid_file_format")
+
+    def problem(self, head: bytes) -> Optional[str]:
+        """What is wrong with a file that starts with ``head``, or None."""
+        raise NotImplementedError
+
+
+class ImageCheck(MediaCheck):
+    """Purpose ``vision``: a picture a batch's requests name by ``input_image.file_id``, of a format requests may
+    send (:data:`~spark_llm.media.FORMATS`)."""
+
+    NOUN = "image"
+
+    def problem(self, head: bytes) -> Optional[str]:
         import io
 
         from PIL import Image
@@ -234,13 +250,29 @@ class ImageCheck:
         from ..media import FORMATS
 
         try:
-            with Image.open(io.BytesIO(self.head)) as img:
+            with Image.open(io.BytesIO(head)) as img:
                 fmt = img.format
         except Exception:  # noqa: BLE001 - whatever PIL raises for what is not a picture it knows
             fmt = None
-        if fmt not in FORMATS:
-            raise APIError.invalid(f"A file with purpose 'vision' is an image ({', '.join(FORMATS)}); this one is "
-                                   f"{fmt or 'not an image'}.", param="file", code="invalid_file_format")
+        return None if fmt in FORMATS else (f"A file with purpose 'vision' is an image ({', '.join(FORMATS)}); this "
+                                            f"one is {fmt or 'not an image'}.")
+
+
+class AudioCheck(MediaCheck):
+    """Purpose ``user_data``: an audio file a batch's transcription and translation lines name by ``file``, whose
+    header reads as audio (:func:`~spark_llm.audio.measure`)."""
+
+    NOUN = "audio file"
+
+    def problem(self, head: bytes) -> Optional[str]:
+        from ..audio import measure
+        from ..errors import RequestError
+
+        try:
+            measure(head, "the file")
+        except RequestError as exc:
+            return f"A file with purpose 'user_data' is an audio file for transcriptions: {exc.message}"
+        return None
 
 
 @dataclass

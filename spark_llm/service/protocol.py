@@ -50,7 +50,7 @@ class FileObject(BaseModel):
     bytes: int
     created_at: int
     filename: str
-    purpose: Literal["batch", "batch_output", "vision"]
+    purpose: Literal["batch", "batch_output", "vision", "user_data"]
     status: Literal["uploaded", "processed", "error"] = "processed"
     expires_at: Optional[int] = None
     status_details: Optional[str] = None

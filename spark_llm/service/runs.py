@@ -144,15 +144,16 @@ class BatchRunner:
             input=source.location, output_dir=self.files.location("batches", batch.id), batch_id=batch.id,
             tables_dir=self.files.location("tables"), resume=resume, overwrite=False,
             finish_unanswered=finish_unanswered, priority=batch.priority or "normal",
-            media_files=self.images_of(batch.owner),
+            media_files=self.media_of(batch.owner),
             target_tokens_per_partition=min(self.base.target_tokens_per_partition,
                                             self.settings.max_partition_tokens)))
 
-    def images_of(self, owner: str) -> dict[str, str]:
-        """``owner``'s uploaded images (purpose vision), which its batches' Responses lines may name by file_id:
-        file id -> where it is stored. Another key's are not among them."""
-        images, _ = self.store.files(owner, "vision", 1_000_000, None, False)
-        return {f.id: f.location for f in images}
+    def media_of(self, owner: str) -> dict[str, str]:
+        """``owner``'s uploaded images (purpose vision) and audio files (purpose user_data), which its batches'
+        Responses lines name by ``file_id`` and its transcriptions by ``file``: file id -> where it is stored.
+        Another key's are not among them."""
+        return {f.id: f.location for purpose in ("vision", "user_data")
+                for f in self.store.files(owner, purpose, 1_000_000, None, False)[0]}
 
     def run(self, spark: Any, batch: BatchRecord, running: Run) -> None:
         from ..pipeline import run_batch
