@@ -13,7 +13,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 from pyspark.sql import SparkSession
 
@@ -86,6 +86,12 @@ class RunListener:
         """Whether the run yielded its slots after :meth:`before_wave` returned ``since``: the waves submitted
         then were cancelled (:func:`cancel_waves`) and run again, the run goes on."""
         return False
+
+    def writing(self, table: str) -> ContextManager[None]:
+        """A write of the result table ``table`` (its creation, an append, a delete) runs within this: the batch
+        service makes the writes of its servers to one table on object storage take turns there, where a Delta
+        commit is not exclusive (S3 has no put-if-absent: two commits of one version at once, one is lost)."""
+        return contextlib.nullcontext()
 
 
 #: The inference stages' ResourceProfiles, per session and resources (see RunContext.gpu_profile).

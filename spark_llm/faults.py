@@ -26,6 +26,9 @@ The value is one or more faults separated by ``;``:
 - ``hold_read_until:<release path>`` (driver): the reading of JSONL input files waits, once they are listed and
   before a line is read, until the file ``<release path>`` exists (after creating ``<release path>.held``): a file
   can be deleted or replaced between the two, as by another job while the batch runs.
+- ``meet_before_table_write:<directory>:<N>:<rounds>`` (driver): a process's k-th write of a result table (its
+  creation, an append, a delete), for k up to ``rounds``, waits until N processes' k-th writes have arrived (in
+  ``<directory>/<k>``; 10 minutes at most): the writes of N servers sharing tables, at the same moments.
 - ``meet_before_engine_call:<directory>:<custom_id prefix>:<N>`` (executors): an engine call holding a request
   whose custom_id starts with the prefix waits, before it starts, until N such calls have arrived (each leaves a
   file in the directory; 10 minutes at most): N partitions on N engines at once.
@@ -35,6 +38,7 @@ A test waits for ``.held`` (a state it made), never for a time that should be lo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -154,6 +158,18 @@ def before_reading_input() -> None:
     """``hold_read_until``: called by the driver once the input files are listed, before their lines are read."""
     for args in _faults("hold_read_until"):
         _hold(args[0], "the reading of the input files")
+
+
+_table_writes = itertools.count(1)  #: this process's writes of result tables, numbered (meet_before_table_write)
+
+
+def before_table_write() -> None:
+    """``meet_before_table_write``: called by the driver before each write of a result table."""
+    for args in _faults("meet_before_table_write"):
+        directory, count, rounds = args[0], *args[1].split(":")
+        k = next(_table_writes)
+        if k <= int(rounds):
+            _meet(os.path.join(directory, str(k)), int(count), f"table write {k}")
 
 
 def _hold(release: str, what: str) -> None:

@@ -11,15 +11,15 @@ row passes through the driver.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterator
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from . import storage
+from . import faults, storage
 from .background import SparkJobInBackground
 from .config import ConfigError
 from .context import RunContext
@@ -31,6 +31,15 @@ from .schemas import (EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS, ERRORS_COLUMNS, ERRO
                       OUTPUTS_COLUMNS, OUTPUTS_STATS, json_string)
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def turn(run: RunContext, table: str) -> Iterator[None]:
+    """A write of a result table (its creation, an append, a delete) in its turn: the run's listener's
+    (:meth:`~spark_llm.context.RunListener.writing`: the batch service's servers take turns on object storage)."""
+    faults.before_table_write()
+    with run.listener.writing(table):
+        yield
 
 
 def prepare_destination(run: RunContext) -> RunContext:
@@ -50,7 +59,8 @@ def prepare_destination(run: RunContext) -> RunContext:
                                   f"to continue that batch, --overwrite to redo it, or use a new --batch-id")
             # redone: every table forgets the batch (a later --resume or report must not count the old runs)
             for other in (paths.outputs_table, paths.errors_table, paths.metrics_table, paths.embeddings_table):
-                storage.delete_rows(spark, other, run.batch_id)
+                with turn(run, other):
+                    storage.delete_rows(spark, other, run.batch_id)
             break
     tables = [(paths.outputs_table, OUTPUTS_COLUMNS, OUTPUTS_STATS),
               (paths.errors_table, ERRORS_COLUMNS, ERRORS_STATS),
@@ -60,7 +70,8 @@ def prepare_destination(run: RunContext) -> RunContext:
 
     def create() -> None:
         for table, columns, stats in tables:
-            storage.ensure_table(spark, table, columns, stats)
+            with turn(run, table):
+                storage.ensure_table(spark, table, columns, stats)
     return replace(run, table_writes=SparkJobInBackground(spark, "spark_llm-tables", create))
 
 
@@ -97,7 +108,8 @@ def pending(run: RunContext, requests: DataFrame) -> DataFrame:
     if run.cfg.retry_errors:
         codes.append(ErrorCode.ENGINE_ERROR.value)
     if codes:
-        storage.delete_rows(run.spark, run.paths.errors_table, run.batch_id, codes)
+        with turn(run, run.paths.errors_table):
+            storage.delete_rows(run.spark, run.paths.errors_table, run.batch_id, codes)
     # pinned snapshots: the waves about to commit must not change which requests count as pending
     done = [_batch_rows(run, t, storage.current_version(run.spark, t)).select("id")
             for t in (run.paths.outputs_table, run.paths.errors_table)]
@@ -148,7 +160,8 @@ def unanswered_rows(pending: DataFrame, code: str) -> DataFrame:
 
 def insert_errors(run: RunContext, rows: DataFrame) -> None:
     wait_for_writes(run)
-    storage.append_rows(rows, run.paths.errors_table, ERRORS_COLUMNS)
+    with turn(run, run.paths.errors_table):
+        storage.append_rows(rows, run.paths.errors_table, ERRORS_COLUMNS)
 
 
 def insert_errors_meanwhile(run: RunContext, rows: DataFrame) -> RunContext:
@@ -166,16 +179,22 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
     wait_for_writes(run)
     rows = metrics_rows(run, records, plan)
     writes: list[Callable[[], None]] = []
+
+    def append(table: str, make: Callable[[], DataFrame], columns: dict) -> None:
+        with turn(run, table):
+            storage.append_rows(make(), table, columns)
     if responses:
-        writes.append(lambda: storage.append_rows(output_rows(results, run), run.paths.outputs_table,
-                                                  OUTPUTS_COLUMNS))
+        writes.append(lambda: append(run.paths.outputs_table, lambda: output_rows(results, run), OUTPUTS_COLUMNS))
         if EngineTask.EMBED in tasks_of(run.cfg):  # the model this wave ran on
-            writes.append(lambda: storage.append_rows(embedding_rows(results, run), run.paths.embeddings_table,
-                                                      EMBEDDINGS_COLUMNS))
+            writes.append(lambda: append(run.paths.embeddings_table, lambda: embedding_rows(results, run),
+                                         EMBEDDINGS_COLUMNS))
     if errors:
         writes.append(lambda: insert_errors(run, error_rows(results, run)))
     if rows:
-        writes.append(lambda: storage.append_records(run.spark, rows, run.paths.metrics_table, METRICS_COLUMNS))
+        def metrics() -> None:
+            with turn(run, run.paths.metrics_table):
+                storage.append_records(run.spark, rows, run.paths.metrics_table, METRICS_COLUMNS)
+        writes.append(metrics)
     others = [SparkJobInBackground(run.spark, f"spark_llm-commit-{n}", w) for n, w in enumerate(writes[1:])]
     try:
         if writes:

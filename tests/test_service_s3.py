@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import chat_line, write_jsonl
-from test_service import KEY_A, Server, lines_of, slow_upload, wait_for
+from test_service import KEY_A, Server, lines_of, one_row_each, slow_upload, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -105,3 +105,43 @@ def test_a_server_killed_during_an_upload_to_the_bucket_leaves_nothing_to_downlo
     # sweep finds it stale), or by a sweep
     FileStorage(str(server.storage)).sweep_partials(older_than=0)
     assert not uploads_under_way()
+
+
+def test_two_servers_on_one_bucket_commit_to_the_shared_tables_at_the_same_moments_and_lose_no_row(
+        s3_server, s3_service, tiny_model, tmp_path_factory, tmp_path):
+    """A second server on the same bucket and PostgreSQL: each runs one batch, and the servers' first dozen writes
+    of the shared Delta tables meet (fault injection), so that their commits start at the same moments. On S3 two
+    commits of one version at once would both pass Delta's check that the version is free (no put-if-absent) and
+    one would replace the other; the servers' writes of a table take turns in PostgreSQL, and every line of both
+    batches is in the tables once."""
+    first, _ = s3_service
+    meet = tmp_path / "meet"
+    second = Server(tmp_path_factory.mktemp("service-s3-b"), tiny_model, storage=first.storage,
+                    extra=(*first.extra, "--server-id", "b"))
+    second.config.write_text(first.config.read_text())
+    first.stop()
+    for server in (first, second):
+        server.faults = f"meet_before_table_write:{meet}:2:12"
+        server.start()
+    try:
+        apis = [first.client(), second.client()]
+        created = []
+        for n, api in enumerate(apis):
+            # about 10,000 prompt tokens: 7 partitions of the servers' 1,500, one a wave, two writes each
+            lines = [chat_line(f"pair{n}-{i}", f"question {i}: " + "model " * 400, max_tokens=2) for i in range(24)]
+            source = api.files.create(file=(f"pair{n}.jsonl", write_jsonl(tmp_path / f"pair{n}.jsonl", lines)
+                                            .read_bytes()), purpose="batch")
+            created.append(api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                              completion_window="24h", metadata={"pair": str(n)}))
+        done = [wait_for(apis[0], batch.id) for batch in created]
+        assert [b.status for b in done] == ["completed", "completed"], (first.log(), second.log())
+        for n, batch in enumerate(done):
+            out, err = one_row_each(first, batch)
+            assert sorted(line["custom_id"] for line in out) == sorted(f"pair{n}-{i}" for i in range(24)) and not err
+        met = sorted(int(k.name) for k in meet.iterdir() if len(list(k.iterdir())) == 2)
+        assert met == list(range(1, 13))  # both servers' first 12 writes met: each batch ran on its own server
+    finally:
+        second.stop()
+        first.stop()
+        first.faults = ""
+        first.start()

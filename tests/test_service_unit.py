@@ -425,3 +425,42 @@ def test_a_batch_s_end_is_an_event_in_the_same_transaction_and_a_delivery_to_eac
     assert store.due_deliveries(now=55, limit=10) == []  # held while it is sent
     assert store.delete_endpoint("we_done", "o") and not store.delete_endpoint("we_other", "o")
     assert [d.endpoint_id for d in store.deliveries("b2")] == ["we_all"]  # what it had pending went with it
+
+
+def test_servers_turns_at_one_table_follow_each_other_and_other_tables_do_not_wait(postgres, tmp_path):
+    """Two stores on one PostgreSQL database (two servers): while one holds a table's turn, the other's turn at that
+    table waits for it (PostgreSQL shows its advisory lock not granted), and its turn at another table does not."""
+    import threading
+
+    import sqlalchemy as sa
+
+    url = postgres.new_database("turns")
+    one, two = Store(url), Store(url)
+    entered = threading.Event()
+
+    def waiting() -> int:
+        with one.engine.connect() as db:
+            return db.execute(sa.text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                              ).scalar()
+
+    def second_server() -> None:
+        with two.turn("delta-table:s3a://b/tables/outputs"):
+            entered.set()
+    try:
+        with one.turn("delta-table:s3a://b/tables/outputs"):
+            other = threading.Thread(target=second_server)
+            other.start()
+            eventually(lambda: waiting() == 1, "the second server's turn at the table waiting")
+            assert not entered.is_set()
+            with two.turn("delta-table:s3a://b/tables/metrics"):  # another table: no wait
+                pass
+        other.join(30)
+        assert entered.is_set() and waiting() == 0
+    finally:
+        one.close()
+        two.close()
+    alone = Store(f"sqlite:///{tmp_path / 'one.db'}")  # one server's records: nothing to wait for
+    assert not alone.shared
+    with alone.turn("t"), alone.turn("t"):
+        pass
+    alone.close()

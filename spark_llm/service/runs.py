@@ -9,12 +9,13 @@ Everything a run needs is in the store and under the storage root: a batch that 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 import sqlalchemy.exc
 
@@ -64,12 +65,30 @@ class Run:
             self.stop = why
 
 
-class Progress(RunListener):
+class TableTurns(RunListener):
+    """A run's writes of the shared tables in their turns: with ``take_turns`` (the tables on object storage, other
+    servers on the same records) a write waits for the other servers' writes of that table (:meth:`writing`)."""
+
+    def __init__(self, store: Optional[Store] = None, take_turns: bool = False):
+        self.store, self.take_turns = store, take_turns
+
+    def writing(self, table: str) -> ContextManager[None]:
+        """On object storage the servers' commits to one Delta table take turns in the shared database: a commit
+        there writes version N + 1 if no object of that name exists, a check and a write that two servers can both
+        pass at once (S3 has no put-if-absent), and one of the two commits is lost. A local filesystem's commit
+        is exclusive (a rename that does not replace), so nothing waits there."""
+        if self.take_turns and self.store is not None:
+            return self.store.turn(f"delta-table:{table}")
+        return contextlib.nullcontext()
+
+
+class Progress(TableTurns):
     """A run's progress into the store: in_progress once validated, counts as waves commit, finalizing at the
     end; at each of these points a requested stop ends the run (:class:`BatchStopped`)."""
 
-    def __init__(self, store: Store, running: Run):
-        self.store, self.running = store, running
+    def __init__(self, store: Store, running: Run, take_turns: bool = False):
+        super().__init__(store, take_turns)
+        self.running = running
 
     def _check(self) -> None:
         if self.running.lost:
@@ -108,10 +127,11 @@ class Progress(RunListener):
         return self.running.yields != since
 
 
-class LeaseWatch(RunListener):
+class LeaseWatch(TableTurns):
     """The listener of a run that ends a batch early: it only stops when the lease goes to another server."""
 
-    def __init__(self, running: Run):
+    def __init__(self, running: Run, store: Optional[Store] = None, take_turns: bool = False):
+        super().__init__(store, take_turns)
         self.running = running
 
     def _check(self) -> None:
@@ -133,6 +153,8 @@ class BatchRunner:
                  stopping: threading.Event):
         self.base, self.settings, self.store, self.files = base, settings, store, files
         self.stopping = stopping
+        #: the shared tables are on object storage and other servers may write them: their commits take turns
+        self.take_turns = store.shared and settings.local_storage() is None
 
     def config(self, batch: BatchRecord, resume: bool, finish_unanswered: Optional[str] = None) -> BatchConfig:
         """The job's settings for ``batch``: the server's, over its input file, into its directory and the shared
@@ -161,7 +183,8 @@ class BatchRunner:
         self.store.update(batch.id, runs=batch.runs + 1)
         log.info("batch %s: run %d starts", batch.id, batch.runs + 1)
         try:
-            result = run_batch(spark, self.config(batch, resume=batch.runs > 0), Progress(self.store, running))
+            result = run_batch(spark, self.config(batch, resume=batch.runs > 0), Progress(self.store, running,
+                                                                                           self.take_turns))
         except BaseException as exc:
             if running.lost:
                 log.info("batch %s: left to the server that holds it now", batch.id)
@@ -187,7 +210,7 @@ class BatchRunner:
         log.info("batch %s: ending as %s", batch.id, why.value)
         try:
             result = run_batch(spark, self.config(batch, resume=True, finish_unanswered=UNANSWERED_CODE[why]),
-                               LeaseWatch(running))
+                               LeaseWatch(running, self.store, self.take_turns))
         except BaseException as exc:
             if not self.stopping.is_set() and not running.lost:
                 self.fail(batch, exc)

@@ -7,14 +7,16 @@ status in the same transaction."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import time
 import typing
 import uuid
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict
@@ -323,6 +325,29 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    @property
+    def shared(self) -> bool:
+        """Whether several servers may use these records (PostgreSQL; SQLite is one server's)."""
+        return self.engine.dialect.name == "postgresql"
+
+    @contextlib.contextmanager
+    def turn(self, name: str) -> Iterator[None]:
+        """The block runs while this server holds ``name``'s turn among the servers on these records: a session
+        advisory lock of PostgreSQL, held on a connection of its own (a server that dies lets go with it). On SQLite,
+        one server's records, no wait."""
+        if not self.shared:
+            yield
+            return
+        key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+        with self.engine.connect() as db:
+            db.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            db.commit()
+            try:
+                yield
+            finally:
+                db.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+                db.commit()
 
     def ping(self) -> None:
         """Raise when the database does not answer."""
