@@ -4,6 +4,7 @@ service's files)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ class S3Access:
     access_key: Optional[str] = None
     secret_key: Optional[str] = field(default=None, repr=False)
     session_token: Optional[str] = field(default=None, repr=False)
+    #: server-side encryption of what is written (``fs.s3a.encryption.algorithm``: SSE-S3, SSE-KMS, DSSE-KMS), and
+    #: its KMS key (``fs.s3a.encryption.key``; none: the bucket's or the account's default key)
+    encryption: Optional[str] = None
+    encryption_key: Optional[str] = None
 
     @classmethod
     def from_hadoop(cls, conf: Mapping[str, str], bucket: str = "") -> "S3Access":
@@ -42,26 +47,85 @@ class S3Access:
             scheme, endpoint = endpoint.split("://", 1)
         if (get("connection.ssl.enabled") or "true").lower() == "false":
             scheme = "http"
+        # the encryption settings' names before Hadoop 3.3.2 are still read by S3A
+        algorithm = (get("encryption.algorithm") or get("server-side-encryption-algorithm") or "").upper() or None
         return cls(endpoint=endpoint.rstrip("/") if endpoint else None, scheme=scheme.lower(),
                    region=get("endpoint.region"), path_style=(get("path.style.access") or "").lower() == "true",
-                   access_key=get("access.key"), secret_key=get("secret.key"), session_token=get("session.token"))
+                   access_key=get("access.key"), secret_key=get("secret.key"), session_token=get("session.token"),
+                   encryption=algorithm, encryption_key=get("encryption.key") or get("server-side-encryption.key"))
+
+    def write_arguments(self) -> dict[str, str]:
+        """boto3's arguments of a write (``put_object``, ``create_multipart_upload``) that encrypt the object as
+        the S3A connector would: the JVM's and Python's writes alike."""
+        if self.encryption is None:
+            return {}
+        if self.encryption not in SSE_ARGUMENTS:
+            from .config import ConfigError
+
+            raise ConfigError(f"fs.s3a.encryption.algorithm {self.encryption}: spark_llm's own writes to S3 take "
+                              f"{', '.join(SSE_ARGUMENTS)} (SSE-C needs its key on every read, which they do not "
+                              f"send); use one of those, or the bucket's default encryption")
+        arguments = {"ServerSideEncryption": SSE_ARGUMENTS[self.encryption]}
+        if self.encryption_key and self.encryption != "SSE-S3":
+            arguments["SSEKMSKeyId"] = self.encryption_key
+        return arguments
 
     def filesystem(self) -> Any:
-        """pyarrow's S3 filesystem for this access."""
-        from pyarrow import fs
+        """pyarrow's S3 filesystem for this access (one per access and process)."""
+        return _pyarrow_filesystem(self)
 
-        options: dict[str, Any] = {"scheme": self.scheme}
-        if self.endpoint:
-            options["endpoint_override"] = self.endpoint
-        if self.region:
-            options["region"] = self.region
-        if self.access_key and self.secret_key:
-            options.update(access_key=self.access_key, secret_key=self.secret_key)
-            if self.session_token:
-                options["session_token"] = self.session_token
-        if self.endpoint and not self.path_style:
-            options["force_virtual_addressing"] = True
-        return fs.S3FileSystem(**options)
+    def client(self) -> Any:
+        """boto3's S3 client for this access: what the settings give, the standard chain (``AWS_*`` variables,
+        the profile, the instance role) for the rest (one per access and process)."""
+        return _boto3_client(self)
+
+
+@functools.lru_cache(maxsize=None)
+def _pyarrow_filesystem(access: S3Access) -> Any:
+    """One pyarrow S3 filesystem per access and process."""
+    from pyarrow import fs
+
+    options: dict[str, Any] = {"scheme": access.scheme}
+    if access.endpoint:
+        options["endpoint_override"] = access.endpoint
+    if access.region:
+        options["region"] = access.region
+    if access.access_key and access.secret_key:
+        options.update(access_key=access.access_key, secret_key=access.secret_key)
+        if access.session_token:
+            options["session_token"] = access.session_token
+    if access.endpoint and not access.path_style:
+        options["force_virtual_addressing"] = True
+    return fs.S3FileSystem(**options)
+
+
+#: S3A's server-side encryption algorithms that a Python write can ask for, as S3's ``x-amz-server-side-encryption``.
+SSE_ARGUMENTS = {"SSE-S3": "AES256", "SSE-KMS": "aws:kms", "DSSE-KMS": "aws:kms:dsse"}
+
+
+@functools.lru_cache(maxsize=None)
+def _boto3_client(access: S3Access) -> Any:
+    """One boto3 S3 client per access and process (a client is thread-safe, and costly to make)."""
+    import boto3
+
+    options: dict[str, Any] = {}
+    if access.endpoint:
+        options["endpoint_url"] = f"{access.scheme}://{access.endpoint}"
+    if access.region:
+        options["region_name"] = access.region
+    if access.access_key and access.secret_key:
+        options.update(aws_access_key_id=access.access_key, aws_secret_access_key=access.secret_key,
+                       aws_session_token=access.session_token)
+    if access.path_style:
+        from botocore.config import Config
+
+        options["config"] = Config(s3={"addressing_style": "path"})
+    return boto3.client("s3", **options)
+
+
+def hadoop_settings(spark_conf: Mapping[str, str]) -> dict[str, str]:
+    """The Hadoop settings in Spark settings (``spark.hadoop.<key>`` -> ``<key>``), as Spark hands them to Hadoop."""
+    return {k[len("spark.hadoop."):]: str(v) for k, v in spark_conf.items() if k.startswith("spark.hadoop.")}
 
 
 def s3_access(spark: Any, uri: Optional[str]) -> Optional[S3Access]:

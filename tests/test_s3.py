@@ -33,6 +33,16 @@ def test_s3_access_reads_hadoop_s_s3a_settings_a_bucket_s_own_first():
     assert S3Access.from_hadoop({"fs.s3a.endpoint": "minio:9000", "fs.s3a.connection.ssl.enabled": "false"}).scheme \
         == "http"
     assert S3Access.from_hadoop({}) == S3Access()  # pyarrow's own chain: AWS_* variables, the instance role
+    # server-side encryption as S3A writes it, for Python's writes (boto3's arguments); the older setting names too
+    kms = S3Access.from_hadoop({"fs.s3a.encryption.algorithm": "SSE-S3",
+                                "fs.s3a.bucket.lake.encryption.algorithm": "sse-kms",
+                                "fs.s3a.bucket.lake.encryption.key": "arn:k"}, "lake")
+    assert kms.write_arguments() == {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "arn:k"}
+    assert S3Access.from_hadoop({"fs.s3a.encryption.algorithm": "SSE-S3"}, "other").write_arguments() == {
+        "ServerSideEncryption": "AES256"}
+    assert S3Access.from_hadoop({"fs.s3a.server-side-encryption-algorithm": "DSSE-KMS"}).write_arguments() == {
+        "ServerSideEncryption": "aws:kms:dsse"}
+    assert S3Access.from_hadoop(conf, "lake").write_arguments() == {}
 
 
 def test_a_quarantine_journal_on_s3_is_reached_with_the_session_s_s3a_settings(spark, s3, monkeypatch):
@@ -329,18 +339,27 @@ def test_an_input_file_deleted_mid_read_is_one_clear_message_and_resume_loses_no
 
 
 def test_a_service_file_on_s3_is_one_multipart_upload_and_a_failed_write_leaves_nothing(s3_server):
+    """The batch service's files on S3, reached and encrypted as the server's Spark settings say (its S3A
+    connector's ``fs.s3a.*``: the endpoint, the keys, the bucket's SSE-KMS key)."""
+    from spark_llm.config import ConfigError
     from spark_llm.service import files
 
     client = s3_server.client()
     client.create_bucket(Bucket="service-files")
-    storage = files.FileStorage("s3a://service-files/root")
+    encrypted = {"fs.s3a.bucket.service-files.encryption.algorithm": "SSE-KMS",
+                 "fs.s3a.bucket.service-files.encryption.key": LAKE_KMS_KEY}
+    storage = files.FileStorage("s3a://service-files/root", {**s3_server.hadoop_settings(), **encrypted})
     whole = storage.location("files", "file-whole")
     with storage.writing(whole) as out:
         for i in range(12):
             out.write(bytes([65 + i]) * (1 << 20))
     assert b"".join(storage.chunks(whole)) == b"".join(bytes([65 + i]) * (1 << 20) for i in range(12))
     assert files.S3_PART_BYTES == 8 << 20  # so two parts: 8 MiB sent as it filled, then the last 4
-    assert client.head_object(Bucket="service-files", Key="root/files/file-whole")["ETag"].endswith('-2"')
+    head = client.head_object(Bucket="service-files", Key="root/files/file-whole")
+    assert head["ETag"].endswith('-2"')
+    assert (head.get("ServerSideEncryption"), head.get("SSEKMSKeyId")) == ("aws:kms", LAKE_KMS_KEY)
+    with pytest.raises(ConfigError, match="SSE-C needs its key on every read"):
+        files.FileStorage("s3a://service-files/root", {"fs.s3a.encryption.algorithm": "SSE-C"})
 
     cut = storage.location("files", "file-cut")
     with pytest.raises(RuntimeError):

@@ -16,6 +16,11 @@ from test_service import KEY_A, Server, lines_of, one_row_each, slow_upload, wai
 pytestmark = pytest.mark.engine
 
 BUCKET = "svc"
+#: The bucket's objects encrypted with a KMS key: the S3A connector's setting, which the server's own writes (files,
+#: upload parts, through boto3) follow as its Spark's do (results, tables)
+SVC_KMS_KEY = "arn:aws:kms:us-east-1:123456789012:key/5c1e0d2a-spark-llm-service"
+SVC_ENCRYPTION = {f"fs.s3a.bucket.{BUCKET}.encryption.algorithm": "SSE-KMS",
+                  f"fs.s3a.bucket.{BUCKET}.encryption.key": SVC_KMS_KEY}
 
 
 def keys_under(client, prefix: str) -> list[str]:
@@ -30,7 +35,8 @@ def s3_service(s3_server, postgres, tiny_model, tmp_path_factory):
     server = Server(tmp_path_factory.mktemp("service-s3"), tiny_model, storage=f"s3a://{BUCKET}/service",
                     extra=("--database-url", postgres.new_database("service_s3")))
     config = yaml.safe_load(server.config.read_text())
-    config["spark"].update({f"spark.hadoop.{k}": v for k, v in s3_server.hadoop_settings().items()})
+    config["spark"].update({f"spark.hadoop.{k}": v for k, v in {**s3_server.hadoop_settings(),
+                                                                  **SVC_ENCRYPTION}.items()})
     server.config.write_text(yaml.safe_dump(config))
     server.start()
     yield server, client
@@ -63,6 +69,13 @@ def test_files_batches_and_uploads_live_in_the_bucket(s3_server, s3_service, tmp
     assert api.files.content(done.file.id).content == data
     assert f"service/files/{done.file.id}" in keys_under(s3, "service/files/")
     assert not keys_under(s3, "service/uploads/")
+
+    # every object the server wrote is encrypted with the bucket's key: its files and the Uploads API's (boto3), the
+    # batch's results and the tables (S3A); only S3A's empty directory markers are not objects of data
+    plain = [k for k in keys_under(s3, "service/") if not k.endswith("/") and (
+        s3.head_object(Bucket=BUCKET, Key=k).get("ServerSideEncryption"),
+        s3.head_object(Bucket=BUCKET, Key=k).get("SSEKMSKeyId")) != ("aws:kms", SVC_KMS_KEY)]
+    assert not plain, plain
 
     # each file written once to its own key: no temporary name, no copy; a deleted file's object goes
     log = open(s3_server.log.name, errors="replace").read()

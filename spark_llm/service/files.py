@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, Mapping, Optional
 
-from ..filesystems import S3_PREFIXES, bucket_and_key, python_filesystem
+from ..filesystems import S3_PREFIXES, S3Access, bucket_and_key, python_filesystem
 from .protocol import APIError
 
 #: Bytes a download reads from storage at a time.
@@ -28,24 +27,16 @@ _BAD_FILENAME = re.compile(r"[\x00-\x1f\x7f/\\]")
 S3_PART_BYTES = 8 << 20
 
 
-@functools.lru_cache(maxsize=None)
-def _s3_client() -> Any:
-    """boto3's S3 client, made once per process: credentials, region and endpoint from the standard chain
-    (``AWS_*`` variables, ``AWS_ENDPOINT_URL``, the profile, the instance role), as pyarrow's."""
-    import boto3
-
-    return boto3.client("s3")
-
-
 class S3Upload:
     """A file written to S3 as one multipart upload to its own key: each part sent as it fills, the object made by
     :meth:`complete` and by nothing else. S3 shows no object of an upload never completed, so a write cut off (an
     error: :meth:`abort`; a server killed) leaves nothing to download, and no copy is ever made (a rename on S3 is
     a copy: 8 GB twice, and pyarrow's copies stop at 5 GB)."""
 
-    def __init__(self, client: Any, bucket: str, key: str, part_bytes: int = S3_PART_BYTES):
-        self.client, self.bucket, self.key, self.part_bytes = client, bucket, key, part_bytes
-        self.upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    def __init__(self, access: S3Access, bucket: str, key: str, part_bytes: int = S3_PART_BYTES):
+        self.client, self.bucket, self.key, self.part_bytes = access.client(), bucket, key, part_bytes
+        self.upload_id = self.client.create_multipart_upload(Bucket=bucket, Key=key,
+                                                             **access.write_arguments())["UploadId"]
         self.parts: list[dict] = []
         self.buffer = bytearray()
 
@@ -74,11 +65,17 @@ class S3Upload:
 
 
 class FileStorage:
-    """Files under ``root``: input files as ``files/<id>``, each batch's results under ``batches/<id>/``."""
+    """Files under ``root``: input files as ``files/<id>``, each batch's results under ``batches/<id>/``. On S3,
+    ``hadoop`` (Hadoop's ``fs.s3a.*`` settings, as the server's Spark gets them) says how to reach the bucket and
+    how to encrypt what is written there, as the S3A connector does for the job's writes."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, hadoop: Optional[Mapping[str, str]] = None):
         self.root = root.rstrip("/") if "://" in root or root.startswith("file:") else os.path.abspath(root)
-        filesystem, path = python_filesystem(self.root)
+        self.s3 = S3Access.from_hadoop(hadoop or {}, bucket_and_key(self.root)[0]) \
+            if self.root.startswith(S3_PREFIXES) else None
+        if self.s3 is not None:
+            self.s3.write_arguments()  # a setting its writes cannot follow stops the server here, not an upload
+        filesystem, path = python_filesystem(self.root, self.s3)
         filesystem.create_dir(path, recursive=True)
         if filesystem.type_name == "local":  # every key's inputs and results: this user's alone
             os.chmod(path, 0o700)
@@ -92,7 +89,7 @@ class FileStorage:
         never sees half a file. On S3 one multipart upload to the file's own key (:class:`S3Upload`); elsewhere
         written under a temporary name first, renamed into place."""
         if location.startswith(S3_PREFIXES):
-            upload = S3Upload(_s3_client(), *bucket_and_key(location))
+            upload = S3Upload(self.s3, *bucket_and_key(location))
             try:
                 yield upload
                 upload.complete()
@@ -101,7 +98,7 @@ class FileStorage:
                     upload.abort()
                 raise
             return
-        filesystem, path = python_filesystem(location)
+        filesystem, path = python_filesystem(location, self.s3)
         filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
         temporary = f"{path}.{uuid.uuid4().hex[:8]}.partial"
         try:
@@ -125,7 +122,7 @@ class FileStorage:
             return self._abort_stale_uploads(older_than)
         swept = 0
         for kind in ("files", "uploads"):
-            filesystem, path = python_filesystem(self.location(kind))
+            filesystem, path = python_filesystem(self.location(kind), self.s3)
             selector = fs.FileSelector(path, recursive=True, allow_not_found=True)
             for info in filesystem.get_file_info(selector):
                 if info.type == fs.FileType.File and info.base_name.endswith(".partial") and info.mtime is not None \
@@ -136,7 +133,7 @@ class FileStorage:
         return swept
 
     def _abort_stale_uploads(self, older_than: float) -> int:
-        client, (bucket, prefix) = _s3_client(), bucket_and_key(self.root)
+        client, (bucket, prefix) = self.s3.client(), bucket_and_key(self.root)
         swept = 0
         for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix + "/"):
             for upload in page.get("Uploads", []):
@@ -149,7 +146,7 @@ class FileStorage:
     def chunks(self, location: str) -> Iterator[bytes]:
         """The file's bytes, chunk by chunk, from a stream opened here, before the first chunk is asked for: a file
         gone (deleted since its record was read) raises FileNotFoundError now, not after an answer has started."""
-        filesystem, path = python_filesystem(location)
+        filesystem, path = python_filesystem(location, self.s3)
         stream = filesystem.open_input_stream(path)
 
         def read() -> Iterator[bytes]:
@@ -162,16 +159,16 @@ class FileStorage:
         """Bytes of the file at ``location``; None when there is none."""
         from pyarrow import fs
 
-        filesystem, path = python_filesystem(location)
+        filesystem, path = python_filesystem(location, self.s3)
         info = filesystem.get_file_info(path)
         return info.size if info.type == fs.FileType.File else None
 
     def delete(self, location: str) -> None:
         if location.startswith(S3_PREFIXES):  # pyarrow would leave an empty "<dir>/" object for its parent
             bucket, key = bucket_and_key(location)
-            _s3_client().delete_object(Bucket=bucket, Key=key)
+            self.s3.client().delete_object(Bucket=bucket, Key=key)
             return
-        filesystem, path = python_filesystem(location)
+        filesystem, path = python_filesystem(location, self.s3)
         with contextlib.suppress(FileNotFoundError):
             filesystem.delete_file(path)
 

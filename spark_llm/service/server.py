@@ -58,12 +58,14 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     from .api import create_app
     from .delivery import Sender
     from .door import uvicorn_config
+    from ..filesystems import hadoop_settings
     from .files import FileStorage
     from .scheduler import Scheduler
     from .store import Store
 
     keys = settings.keys()
-    files = FileStorage(settings.storage)  # first: the default database and audit log live under it
+    # first: the default database and audit log live under it; on S3 reached and encrypted as the server's Spark
+    files = FileStorage(settings.storage, hadoop_settings(spark_conf or {}))
     if settings.audit_path():
         audit.write_to(settings.audit_path())
     if swept := files.sweep_partials():
