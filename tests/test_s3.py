@@ -371,3 +371,35 @@ def test_a_service_file_on_s3_is_one_multipart_upload_and_a_failed_write_leaves_
     storage.delete(whole)
     # no "files/" object left either: only the root's own marker, made when the storage opened (its first check)
     assert [o["Key"] for o in client.list_objects_v2(Bucket="service-files")["Contents"]] == ["root/"]
+
+
+def test_an_uploads_parts_on_s3_are_joined_there_without_passing_through_the_server(s3_server):
+    """The Uploads API's completion on S3: the parts' objects become the file's parts by S3's own copy
+    (UploadPartCopy), none of their bytes read by the server; where S3 cannot join them (a part but the last under
+    5 MiB), nothing is written and the server writes the file itself."""
+    from spark_llm.service import files
+
+    client = s3_server.client()
+    client.create_bucket(Bucket="joined")
+    storage = files.FileStorage("s3a://joined/root", s3_server.hadoop_settings())
+    sizes = [6 << 20, 5 << 20, 1000]
+    parts = []
+    for n, size in enumerate(sizes):
+        location = storage.location("uploads", "upload-x", f"part-{n}")
+        with storage.writing(location) as out:
+            out.write(bytes([97 + n]) * size)
+        parts.append((location, size))
+    calls: list[str] = []
+    s3 = storage.s3.client()
+    record = lambda model, **_: calls.append(model.name)  # noqa: E731 - every call the server's client makes
+    s3.meta.events.register("before-call.s3", record)
+    try:
+        assert storage.join(parts, storage.location("files", "file-joined"))
+        assert not storage.join([parts[2], parts[0]], storage.location("files", "file-not"))  # 1000 bytes first
+    finally:
+        s3.meta.events.unregister("before-call.s3", record)
+    assert calls == ["CreateMultipartUpload", "UploadPartCopy", "UploadPartCopy", "UploadPartCopy",
+                     "CompleteMultipartUpload"]
+    assert b"".join(storage.chunks(storage.location("files", "file-joined"))) == b"".join(
+        bytes([97 + n]) * size for n, size in enumerate(sizes))
+    assert storage.size(storage.location("files", "file-not")) is None

@@ -5,6 +5,7 @@ files and the Uploads API's parts go to the bucket as they arrive, each as one m
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -69,6 +70,19 @@ def test_files_batches_and_uploads_live_in_the_bucket(s3_server, s3_service, tmp
     assert api.files.content(done.file.id).content == data
     assert f"service/files/{done.file.id}" in keys_under(s3, "service/files/")
     assert not keys_under(s3, "service/uploads/")
+
+    # parts of 5 MiB and more: joined by S3 itself; the server reads the first part's first bytes (is it text?),
+    # nothing of the others
+    line = (json.dumps(chat_line("big", "hello " * 40, max_tokens=2)) + "\n").encode()
+    big = line * ((6 << 20) // len(line) + 1)
+    upload = api.uploads.create(bytes=2 * len(big), filename="big.jsonl", mime_type="application/jsonl",
+                                purpose="batch")
+    parts = [api.uploads.parts.create(upload.id, data=big).id for _ in range(2)]
+    done = api.uploads.complete(upload.id, part_ids=parts)
+    assert api.files.content(done.file.id).content == big + big
+    log = open(s3_server.log.name, errors="replace").read()
+    reads = [f"GET /{BUCKET}/service/uploads/{upload.id}/{part}" in log for part in parts]
+    assert reads == [True, False]
 
     # every object the server wrote is encrypted with the bucket's key: its files and the Uploads API's (boto3), the
     # batch's results and the tables (S3A); only S3A's empty directory markers are not objects of data

@@ -25,6 +25,8 @@ PARTIAL_MAX_AGE_SECONDS = 3600.0
 _BAD_FILENAME = re.compile(r"[\x00-\x1f\x7f/\\]")
 #: Bytes of each part of a file written to S3 but the last (S3's least is 5 MiB): what a write holds in memory.
 S3_PART_BYTES = 8 << 20
+#: S3's bounds of a part of a multipart upload: the least (but the last part), and the most one copy may take.
+S3_MIN_PART_BYTES, S3_MAX_COPY_BYTES = 5 << 20, 5 << 30
 
 
 class S3Upload:
@@ -62,6 +64,15 @@ class S3Upload:
 
     def abort(self) -> None:
         self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
+
+    def copy_part(self, source: str) -> None:
+        """The object ``source`` (an S3 URI) as the next part, copied by S3 itself (``UploadPartCopy``): none of its
+        bytes pass through this process."""
+        bucket, key = bucket_and_key(source)
+        number = len(self.parts) + 1
+        reply = self.client.upload_part_copy(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                                             PartNumber=number, CopySource={"Bucket": bucket, "Key": key})
+        self.parts.append({"PartNumber": number, "ETag": reply["CopyPartResult"]["ETag"]})
 
 
 class FileStorage:
@@ -111,6 +122,28 @@ class FileStorage:
             with contextlib.suppress(Exception):
                 filesystem.delete_file(temporary)
             raise
+
+    def join(self, sources: list[tuple[str, int]], location: str) -> bool:
+        """The files ``sources`` (location, bytes), one after the other, as the file ``location``, joined by S3 from
+        the objects it holds (each a part of one multipart upload, copied server-side), as one write: the file
+        appears whole, or not at all. False, and nothing written, where S3 cannot join them (storage that is not
+        S3, a file but the last under S3's least part of 5 MiB, or one over its most of 5 GiB): the caller writes
+        the file from their bytes instead."""
+        if not location.startswith(S3_PREFIXES) or not sources or \
+                any(size < S3_MIN_PART_BYTES for _, size in sources[:-1]) or \
+                any(size > S3_MAX_COPY_BYTES for _, size in sources):
+            return False
+        upload = S3Upload(self.s3, *bucket_and_key(location))
+        try:
+            for source, _ in sources:
+                upload.copy_part(source)
+            upload.client.complete_multipart_upload(Bucket=upload.bucket, Key=upload.key, UploadId=upload.upload_id,
+                                                    MultipartUpload={"Parts": upload.parts})
+        except BaseException:
+            with contextlib.suppress(Exception):
+                upload.abort()
+            raise
+        return True
 
     def sweep_partials(self, older_than: float = PARTIAL_MAX_AGE_SECONDS) -> int:
         """Delete what uploads cut off by a dead server left under temporary names (``*.partial``), once older than
