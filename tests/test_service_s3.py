@@ -33,8 +33,11 @@ def keys_under(client, prefix: str) -> list[str]:
 def s3_service(s3_server, postgres, tiny_model, tmp_path_factory):
     client = s3_server.client()
     client.create_bucket(Bucket=BUCKET)
-    server = Server(tmp_path_factory.mktemp("service-s3"), tiny_model, storage=f"s3a://{BUCKET}/service",
-                    extra=("--database-url", postgres.new_database("service_s3")))
+    root = tmp_path_factory.mktemp("service-s3")
+    # the audit log: a local file (a storage root on S3 has none by default)
+    server = Server(root, tiny_model, storage=f"s3a://{BUCKET}/service",
+                    extra=("--database-url", postgres.new_database("service_s3"), "--audit-log",
+                           str(root / "audit.jsonl")))
     config = yaml.safe_load(server.config.read_text())
     config["spark"].update({f"spark.hadoop.{k}": v for k, v in {**s3_server.hadoop_settings(),
                                                                   **SVC_ENCRYPTION}.items()})
@@ -104,6 +107,8 @@ def test_files_batches_and_uploads_live_in_the_bucket(s3_server, s3_service, tmp
     assert written and not [k for k in written
                             if secret.encode() in s3.get_object(Bucket=BUCKET, Key=k)["Body"].read()]
     assert not [p.name for p in server.root.glob("server-*.log") if secret in p.read_text(errors="replace")]
+    audited = (server.root / "audit.jsonl").read_text()
+    assert f'"batch":"{batch.id}"' in audited and secret not in audited
     import httpx
 
     metrics = httpx.get(f"http://127.0.0.1:{server.port}/metrics", headers={"Authorization": f"Bearer {KEY_A}"})
@@ -144,7 +149,7 @@ def test_two_servers_on_one_bucket_commit_to_the_shared_tables_at_the_same_momen
     first, _ = s3_service
     meet = tmp_path / "meet"
     second = Server(tmp_path_factory.mktemp("service-s3-b"), tiny_model, storage=first.storage,
-                    extra=(*first.extra, "--server-id", "b"))
+                    extra=(*first.extra[:2], "--server-id", "b"))  # its database; its own audit log
     second.config.write_text(first.config.read_text())
     first.stop()
     for server in (first, second):
