@@ -21,20 +21,32 @@ executor, to the batch's end and to every engine ended: ``first_executor_s``, ``
 
     python scripts/standalone_cluster.py --model .cache/tiny-llm --out /tmp/elastic --dynamic
 
+With ``--service``, the batch service runs on the elastic cluster (``spark-submit ... jobs/serve.py``, dynamic
+allocation from no executor) and this script is its client: a burst of ``--batches`` batches created at once on the
+idle service, each batch's lines checked once in its files, and the service's own ``/metrics`` sampled twice a
+second (``spark_llm_executors``, ``spark_llm_executor_gpus``): the seconds from the first create to the first
+executor, to every batch completed, and to no GPU held (``first_executor_s``, ``completed_s``, ``released_s``).
+``--kill-node`` kills a worker in the middle of the burst.
+
+    python scripts/standalone_cluster.py --model .cache/tiny-llm --out /tmp/service --service
+
 The cluster is stopped at the end, whatever happened.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -135,7 +147,12 @@ def main(argv=None) -> int:
     p.add_argument("--dynamic", action="store_true",
                    help="dynamic allocation: no executor at the start, GPU executors added for inference and "
                    "removed when idle while the application still runs")
+    p.add_argument("--service", action="store_true",
+                   help="the batch service on the elastic cluster (jobs/serve.py), driven from here: a burst of "
+                   "--batches batches of --requests lines each on the idle service")
+    p.add_argument("--batches", type=int, default=3)
     args = p.parse_args(argv)
+    args.dynamic = args.dynamic or args.service
     import pyspark
 
     from scripts.fake_gpu_cluster import discovery_script, write_requests
@@ -170,23 +187,47 @@ def main(argv=None) -> int:
         if args.kill_node:
             conf[f"spark.executorEnv.{FAULT_ENV}"] = f"kill_node_once:{out / 'node-killed'}:r{args.requests // 2}"
         target = max(1, args.requests * 22 // (4 * args.workers * args.gpus))  # about 4 partitions per engine
-        program = [str(Path(__file__).resolve()), "--drive", str(out / "executors.jsonl"),
-                   *[a for d in engine_dirs for a in ("--engine-dir", str(d))]] if args.dynamic else \
-            [str(ROOT / "jobs" / "run_batch.py")]
+        engine = ["--model", args.model, "--max-model-len", "512", "--max-num-seqs", "32", "--dtype", "bfloat16",
+                  "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--target-tokens-per-partition",
+                  str(target), *gpu_settings]
+        if args.service:
+            (out / "keys.txt").write_text(f"{SERVICE_KEY}\n")
+            program = [str(ROOT / "jobs" / "serve.py"), "--storage", str(out / "service"), "--host", "127.0.0.1",
+                       "--port", "0", "--api-keys", str(out / "keys.txt"), *engine]
+        elif args.dynamic:
+            program = [str(Path(__file__).resolve()), "--drive", str(out / "executors.jsonl"),
+                       *[a for d in engine_dirs for a in ("--engine-dir", str(d))], *engine, *batch_files(out)]
+        else:
+            program = [str(ROOT / "jobs" / "run_batch.py"), *engine, *batch_files(out)]
         cmd = [os.path.join(spark_home, "bin", "spark-submit"), "--master", cluster.url, *delta_jars(),
-               *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")],
-               *program, "--model", args.model, "--input", str(out / "in.jsonl"),
-               "--output-dir", str(out / "results"), "--overwrite", "--batch-id", "standalone",
-               "--max-model-len", "512", "--max-num-seqs", "32", "--dtype", "bfloat16", "--enforce-eager",
-               "--kv-cache-memory-bytes", str(64 << 20), "--target-tokens-per-partition", str(target), *gpu_settings]
+               *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")], *program]
         submitted = time.time()
         env = {**os.environ, "SPARK_HOME": spark_home, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
                "PYSPARK_DRIVER_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
         env.pop("SPARK_LLM_ENGINE_DIR", None)  # the workers' own
         with open(out / "driver.log", "wb") as log:
-            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1500).returncode
+            if args.service:
+                server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                try:
+                    got = burst(out, server, engine_dirs, args.batches, args.requests, Path(args.model).name)
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(server.pid, signal.SIGTERM)  # the service's clean stop
+                    try:
+                        server.wait(60)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(server.pid, signal.SIGKILL)
+                        server.wait()
+                code = server.returncode
+            else:
+                code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1500).returncode
     finally:
         cluster.stop()
+    if args.service:
+        got.update(exit_code=code, node_killed=(out / "node-killed").exists(),
+                   events={str(d.parent.name): read_events(d) for d in engine_dirs})
+        print(json.dumps(got))
+        return 0
     ended = engines_ended(engine_dirs)
     results = out / "results"
     batch = json.loads((results / "batch.json").read_text()) if (results / "batch.json").exists() else {}
@@ -201,6 +242,97 @@ def main(argv=None) -> int:
         got.update(elastic_timeline(out / "executors.jsonl", submitted))
     print(json.dumps(got))
     return 0
+
+
+#: The service drill's API key.
+SERVICE_KEY = "sk-standalone-drill"
+
+
+def batch_files(out: Path) -> list[str]:
+    """The batch job's input and results (the job drills)."""
+    return ["--input", str(out / "in.jsonl"), "--output-dir", str(out / "results"), "--overwrite", "--batch-id",
+            "standalone"]
+
+
+def burst(out: Path, server: subprocess.Popen, engine_dirs: list[Path], batches: int, requests: int,
+          model: str) -> dict:
+    """The service drill's client: once the service answers, ``batches`` batches of ``requests`` lines created at
+    once, each waited for; then until the service holds no GPU and every engine has ended. ``/metrics`` is sampled
+    twice a second all along."""
+    import threading
+
+    import httpx
+    import openai
+
+    from scripts.fake_gpu_cluster import write_requests
+
+    log = out / "driver.log"
+    port = None
+    deadline = time.monotonic() + 300
+    while port is None and time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError("the service ended before it answered:\n" + log.read_text(errors="replace")[-3000:])
+        found = re.search(r"spark-llm serve: http://127\.0\.0\.1:(\d+)/v1", log.read_text(errors="replace"))
+        port = int(found.group(1)) if found else None
+        time.sleep(0.5)
+    if port is None:
+        raise TimeoutError("the service did not say where it listens within 300 s")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=SERVICE_KEY, max_retries=2, timeout=60)
+    samples: list[dict] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.5):
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10,
+                                 headers={"Authorization": f"Bearer {SERVICE_KEY}"}).text
+            except httpx.HTTPError:
+                continue
+            held = {name: float(m.group(1)) for name in ("spark_llm_executors", "spark_llm_executor_gpus")
+                    if (m := re.search(rf"^{name} ([0-9.]+)$", text, re.M))}
+            if len(held) == 2:
+                samples.append({"time": time.time(), "executors": int(held["spark_llm_executors"]),
+                                "gpus": int(held["spark_llm_executor_gpus"])})
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    wait_for(lambda: len(samples) >= 2, 120, "the service's /metrics")
+    sources = []
+    for n in range(batches):
+        write_requests(out / f"batch-{n}.jsonl", requests, model)
+        sources.append(client.files.create(file=(f"batch-{n}.jsonl", (out / f"batch-{n}.jsonl").read_bytes()),
+                                           purpose="batch"))
+    created = time.time()
+    ids = [client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+           for f in sources]
+    final = ("completed", "failed", "expired", "cancelled")
+    done: dict = {}
+    deadline = time.monotonic() + 1200
+    while len(done) < len(ids) and time.monotonic() < deadline:
+        for batch_id in ids:
+            if batch_id not in done and (batch := client.batches.retrieve(batch_id)).status in final:
+                done[batch_id] = (batch, time.time())
+        time.sleep(1.0)
+    completed = max((t for _, t in done.values()), default=None)
+    released = None
+    if len(done) == len(ids):
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: samples[-1]["gpus"] == 0 and samples[-1]["time"] > completed, 180, "no GPU held")
+            released = samples[-1]["time"]
+    ended = engines_ended(engine_dirs, timeout=60) if released else False
+    stop.set()
+    sampler.join()
+
+    def custom_ids(file_id: Optional[str]) -> list[str]:
+        return [json.loads(line)["custom_id"] for line in client.files.content(file_id).text.splitlines()] \
+            if file_id else []
+    since = lambda t: round(t - created, 1) if t is not None else None  # noqa: E731
+    first = next((s["time"] for s in samples if s["time"] >= created and s["executors"] > 0), None)
+    return {"batches": [{"status": b.status, "output_ids": custom_ids(b.output_file_id),
+                         "error_ids": custom_ids(b.error_file_id)} for b, _ in done.values()],
+            "executors": [s["executors"] for s in samples], "gpus": [s["gpus"] for s in samples],
+            "idle_before": [s["executors"] for s in samples if s["time"] < created],
+            "first_executor_s": since(first), "completed_s": since(completed), "released_s": since(released),
+            "engines_ended_in_app": ended, "app_ending_at": time.time()}
 
 
 #: Dynamic allocation as the elastic drill runs it: from no executor, idle executors removed after 5 s (Spark's

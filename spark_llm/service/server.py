@@ -65,7 +65,11 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
 
     keys = settings.keys()
     # first: the default database and audit log live under it; on S3 reached and encrypted as the server's Spark
-    files = FileStorage(settings.storage, hadoop_settings(spark_conf or {}))
+    try:
+        files = FileStorage(settings.storage, hadoop_settings(spark_conf or {}))
+    except ConfigError as exc:
+        print(f"spark-llm serve: error: {exc}", file=sys.stderr)
+        return 2
     if settings.audit_path():
         audit.write_to(settings.audit_path())
     if swept := files.sweep_partials():
