@@ -82,6 +82,7 @@ def _argv(line: str) -> list[str]:
 def test_every_command_line_shown_uses_flags_that_exist(page, monkeypatch):
     from spark_llm.cli import build_parser
     from spark_llm.flags import add_run_arguments
+    from spark_llm.service.server import add_serve_arguments
 
     checked = 0
     for line in command_lines(page.read_text(encoding="utf-8")):
@@ -93,10 +94,10 @@ def test_every_command_line_shown_uses_flags_that_exist(page, monkeypatch):
         elif argv[:3] == ["python", "-m", "spark_llm.cli"]:
             extra = _flags_unknown_to(lambda a: build_parser().parse_args(a), argv[3:], monkeypatch)
         elif argv[0] == "spark-submit":
-            job = next((i for i, a in enumerate(argv) if a.endswith("jobs/run_batch.py")), None)
-            assert job is not None, f"{page.name}: a spark-submit line without jobs/run_batch.py: {line}"
+            job = next((i for i, a in enumerate(argv) if a.endswith(("jobs/run_batch.py", "jobs/serve.py"))), None)
+            assert job is not None, f"{page.name}: a spark-submit line without jobs/run_batch.py or serve.py: {line}"
             parser = argparse.ArgumentParser()
-            add_run_arguments(parser)
+            (add_serve_arguments if argv[job].endswith("serve.py") else add_run_arguments)(parser)
             extra = _flags_unknown_to(lambda a: parser.parse_args(a), argv[job + 1:], monkeypatch)
         else:
             script = next((a for a in argv if a.endswith(".py")), None)
