@@ -70,6 +70,13 @@ class S3Access:
             arguments["SSEKMSKeyId"] = self.encryption_key
         return arguments
 
+    @property
+    def reaches(self) -> bool:
+        """Whether the settings say where or how to reach the store (an endpoint, a region, keys, path-style
+        addressing); if not, pyarrow's and boto3's own chain (``AWS_*`` variables, ``AWS_ENDPOINT_URL``, the
+        profile, the instance role) is all there is."""
+        return bool(self.endpoint or self.region or self.path_style or self.access_key)
+
     def filesystem(self) -> Any:
         """pyarrow's S3 filesystem for this access (one per access and process)."""
         return _pyarrow_filesystem(self)
@@ -215,11 +222,12 @@ def file_uri_path(uri: str) -> Optional[str]:
 def python_filesystem(uri: str, s3: Optional[S3Access] = None) -> tuple[Any, str]:
     """A pyarrow filesystem and path for a Hadoop-style URI, as a Python process on the cluster can open it: local
     and ``file:`` paths, Databricks' ``dbfs:/`` (its ``/dbfs`` mount) and ``/Volumes``, ``s3a://`` as ``s3://``
-    (through ``s3``, the S3A settings of the session, when given), and what pyarrow understands (``gs://``,
+    (through ``s3``, the S3A settings of the session, when they say where or how: :attr:`S3Access.reaches`; else
+    pyarrow's own chain, ``AWS_ENDPOINT_URL`` among it), and what pyarrow understands (``gs://``,
     ``abfss://``, ``hdfs://``)."""
     from pyarrow import fs
 
-    if s3 is not None and uri.startswith(S3_PREFIXES):
+    if s3 is not None and s3.reaches and uri.startswith(S3_PREFIXES):
         return s3.filesystem(), uri.split("://", 1)[1]
 
     if uri.startswith("dbfs:/"):

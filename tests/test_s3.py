@@ -33,6 +33,7 @@ def test_s3_access_reads_hadoop_s_s3a_settings_a_bucket_s_own_first():
     assert S3Access.from_hadoop({"fs.s3a.endpoint": "minio:9000", "fs.s3a.connection.ssl.enabled": "false"}).scheme \
         == "http"
     assert S3Access.from_hadoop({}) == S3Access()  # pyarrow's own chain: AWS_* variables, the instance role
+    assert lake.reaches and not S3Access().reaches and not S3Access(encryption="SSE-S3").reaches
     # server-side encryption as S3A writes it, for Python's writes (boto3's arguments); the older setting names too
     kms = S3Access.from_hadoop({"fs.s3a.encryption.algorithm": "SSE-S3",
                                 "fs.s3a.bucket.lake.encryption.algorithm": "sse-kms",
