@@ -180,13 +180,13 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
     rows = metrics_rows(run, records, plan)
     writes: list[Callable[[], None]] = []
 
-    def append(table: str, make: Callable[[], DataFrame], columns: dict) -> None:
+    def append(table: str, added: DataFrame, columns: dict) -> None:
         with turn(run, table):
-            storage.append_rows(make(), table, columns)
+            storage.append_rows(added, table, columns)
     if responses:
-        writes.append(lambda: append(run.paths.outputs_table, lambda: output_rows(results, run), OUTPUTS_COLUMNS))
+        writes.append(lambda: append(run.paths.outputs_table, output_rows(results, run), OUTPUTS_COLUMNS))
         if EngineTask.EMBED in tasks_of(run.cfg):  # the model this wave ran on
-            writes.append(lambda: append(run.paths.embeddings_table, lambda: embedding_rows(results, run),
+            writes.append(lambda: append(run.paths.embeddings_table, embedding_rows(results, run),
                                          EMBEDDINGS_COLUMNS))
     if errors:
         writes.append(lambda: insert_errors(run, error_rows(results, run)))
