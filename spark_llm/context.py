@@ -87,6 +87,10 @@ class RunListener:
         then were cancelled (:func:`cancel_waves`) and run again, the run goes on."""
         return False
 
+    def inference_ended(self) -> None:
+        """Every inference wave of a model has ended (their commits may still run): the GPUs are free (the batch
+        service then holds them for the batches that wait)."""
+
     def writing(self, table: str) -> ContextManager[None]:
         """A write of the result table ``table`` (its creation, an append, a delete) runs within this: the batch
         service makes the writes of its servers to one table on object storage take turns there, where a Delta
@@ -97,6 +101,21 @@ class RunListener:
 #: The inference stages' ResourceProfiles, per session and resources (see RunContext.gpu_profile).
 _PROFILES: "weakref.WeakKeyDictionary[SparkSession, dict[InferenceResources, Any]]" = weakref.WeakKeyDictionary()
 _PROFILES_LOCK = threading.Lock()
+
+
+def gpu_profile(spark: SparkSession, cfg: BatchConfig, layout: EngineLayout) -> Any:
+    """The inference stage's ResourceProfile (its GPUs) of model ``cfg`` with engines ``layout``, or None (see
+    placement.inference_resources): one per session and resources, so that every wave, model and batch of the
+    session (and the batch service's hold on its GPUs) runs on the same executors."""
+    conf = spark_conf(spark)
+    wanted = inference_resources(conf, cfg.tensor_parallel_size, layout.feeds, config_added_executors(cfg, conf))
+    if wanted is None:
+        return None
+    with _PROFILES_LOCK:  # the waves' threads ask at once: two profiles would be two sets of executors
+        made = _PROFILES.setdefault(spark, {})
+        if wanted not in made:
+            made[wanted] = resource_profile(wanted)
+        return made[wanted]
 
 
 @dataclass(frozen=True)
@@ -145,18 +164,8 @@ class RunContext:
 
     @property
     def gpu_profile(self) -> Any:
-        """The inference stage's ResourceProfile (its GPUs), or None (see placement.inference_resources): one per
-        session and resources, so that every wave, model and batch of the session runs on the same executors."""
-        conf = spark_conf(self.spark)
-        wanted = inference_resources(conf, self.cfg.tensor_parallel_size, self.layout.feeds,
-                                     config_added_executors(self.cfg, conf))
-        if wanted is None:
-            return None
-        with _PROFILES_LOCK:  # the waves' threads ask at once: two profiles would be two sets of executors
-            made = _PROFILES.setdefault(self.spark, {})
-            if wanted not in made:
-                made[wanted] = resource_profile(wanted)
-            return made[wanted]
+        """The inference stage's ResourceProfile (its GPUs), or None: :func:`gpu_profile`."""
+        return gpu_profile(self.spark, self.cfg, self.layout)
 
     @property
     def batch_id(self) -> str:

@@ -150,6 +150,22 @@ def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:
             yield pd.DataFrame({"slot": [engine.slot.name], "started": [engine.started_here]})
 
 
+def hold_partition(batches: Iterator, ctx: InferContext) -> Iterator:
+    """mapInPandas body of the batch service's hold on GPU executors (:class:`~spark_llm.service.capacity.GpuHold`):
+    the engine of this task's GPUs started (or found) as :func:`warm_partition` does, then the task keeps its
+    executor busy, so that dynamic allocation neither removes it idle nor gives its GPUs away, until the hold's job
+    is cancelled (the next batch's first wave is about to start). It yields nothing."""
+    import time
+
+    for _ in batches:
+        gpus = task_gpus(ctx.engine.tensor_parallel_size)
+        with engine_for(ctx.engine, ctx.process, TaskPlace(gpus=tuple(gpus) if gpus else None), ctx.run_id):
+            pass
+        while True:  # ended by the job's cancellation, which kills this Python worker
+            time.sleep(60)
+    yield from ()
+
+
 def prestart_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     """mapInPandas body of the warm-up job on local masters: task ``n`` starts local slot ``n``'s engine loading and
     returns at once (the inference tasks wait for it); one row per task: the slot and whether it was started."""

@@ -223,6 +223,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
                     commit(done)
             while in_flight:
                 commit(finished())
+            run.listener.inference_ended()
             while commits:
                 committed_by(commits.popleft())
         storage.delete(run.spark, run.paths.staging)

@@ -464,3 +464,68 @@ def test_servers_turns_at_one_table_follow_each_other_and_other_tables_do_not_wa
     with alone.turn("t"), alone.turn("t"):
         pass
     alone.close()
+
+
+def test_engines_held_for_a_backlog_are_one_per_partition_it_would_make_at_most_the_cluster_s():
+    from spark_llm.service.capacity import engines_to_hold
+
+    assert engines_to_hold(0, 20_000, 8) == 0            # nothing waits: nothing held
+    assert engines_to_hold(1, 20_000, 8) == 1            # any backlog: one engine
+    assert engines_to_hold(50_001, 20_000, 8) == 3       # three partitions' worth
+    assert engines_to_hold(10**9, 20_000, 8) == 8        # no more than the cluster may give
+    assert engines_to_hold(10**9, 20_000, 0) == 0
+
+
+class _Hold:
+    """What the scheduler asks of its hold on GPU executors (capacity.GpuHold), recorded."""
+
+    engines = 4
+
+    def __init__(self):
+        self.held, self.calls = 0, []
+
+    def hold(self, engines: int) -> None:
+        self.held = engines
+        self.calls.append(engines)
+
+    def release(self) -> None:
+        self.held = 0
+        self.calls.append(0)
+
+
+def test_the_scheduler_holds_gpus_for_the_waiting_batches_until_a_first_wave_and_again_after(store, tmp_path):
+    """On an elastic cluster: the waiting batches' estimated tokens decide the engines held; a batch's first wave
+    lets them go at once, nothing is held while its waves run, and once its last one has ended the rest of the
+    backlog is held for again."""
+    import time
+
+    from spark_llm.config import BatchConfig
+    from spark_llm.service.files import FileStorage
+    from spark_llm.service.runs import Progress, Run
+    from spark_llm.service.scheduler import BYTES_PER_TOKEN, Scheduler
+
+    settings = ServiceSettings(storage=str(tmp_path / "storage"), max_partition_tokens=1_000)
+    scheduler = Scheduler(BatchConfig(target_tokens_per_partition=1_000), settings, store,
+                          FileStorage(settings.storage), session=lambda: None)
+    scheduler.hold = hold = _Hold()
+    for owner, tokens in (("a", 1_500), ("b", 700)):
+        store.add_file(FileRecord(id=f"file-{owner}", owner=owner, filename="in.jsonl", purpose="batch",
+                                  bytes=tokens * BYTES_PER_TOKEN, created_at=1, location="/x"))
+        assert store.add_batch(_batch(f"batch-{owner}", owner=owner))
+    scheduler._hold_for_backlog(store.unfinished(), time.time())
+    assert hold.held == 3  # 2,200 tokens: three partitions of 1,000
+
+    running = scheduler._running["batch-a"] = Run("batch-a", on_infer=scheduler._let_go)
+    scheduler._hold_for_backlog(store.unfinished(), time.time())
+    assert hold.held == 3  # still preparing: its engines load meanwhile
+    running.begin_inference()
+    assert running.inferring and hold.held == 0  # the first wave takes the GPUs
+    scheduler._hold_for_backlog(store.unfinished(), time.time())
+    assert hold.held == 0  # nothing held while it infers
+    Progress(store, running).inference_ended()  # its last wave has ended
+    scheduler._hold_for_backlog(store.unfinished(), time.time())
+    assert hold.held == 1  # the other batch's 700 tokens
+    store.move("batch-b", Status.FAILED)
+    store.move("batch-a", Status.FAILED)
+    scheduler._hold_for_backlog(store.unfinished(), time.time())
+    assert hold.held == 0 and hold.calls == [3, 3, 0, 0, 1, 0]

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import sqlalchemy.exc
 
@@ -58,6 +58,19 @@ class Run:
     may_infer: threading.Event = field(default_factory=lambda: _set(threading.Event()))
     committed_since_yield: bool = True  #: a wave was committed since the last yield (or there was none)
     halted: bool = False  #: the server is stopping: the run ends at its next check, the batch left to resume
+    #: its inference waves run: the GPUs are its (from a model's first wave until its last has ended)
+    inferring: bool = False
+    has_inferred: bool = False  #: a wave of it was submitted: it is no batch waiting for GPUs any more
+    #: what :meth:`begin_inference` does instead of setting those itself (the scheduler: that, and its hold on GPU
+    #: executors let go, at once)
+    on_infer: Optional[Callable[["Run"], None]] = None
+
+    def begin_inference(self) -> None:
+        """A model's first inference wave is about to start."""
+        if self.on_infer is not None:
+            self.on_infer(self)
+        else:
+            self.inferring = self.has_inferred = True
 
     def request_stop(self, why: Status) -> None:
         if self.stop is None and not self.ending:
@@ -117,10 +130,15 @@ class Progress(TableTurns):
     def finalizing(self) -> None:
         self.store.move(self.running.batch_id, Status.FINALIZING)
 
+    def inference_ended(self) -> None:
+        self.running.inferring = False
+
     def before_wave(self) -> int:
         while not self.running.may_infer.wait(CHECK_SECONDS):
             self._check()  # a cancel while it yields
         self._check()
+        if not self.running.inferring:
+            self.running.begin_inference()
         return self.running.yields
 
     def yielded(self, since: int) -> bool:

@@ -20,6 +20,7 @@ from ..config import BatchConfig
 from ..context import cancel_batch_jobs, cancel_waves
 from ..errors import describe_exception
 from .audit import audit
+from .capacity import GpuHold, engines_to_hold
 from .files import FileStorage
 from .leases import Leases, held_elsewhere
 from .lifecycle import Status
@@ -57,6 +58,10 @@ class Scheduler:
         self._yielding: dict[str, tuple[list[Run], threading.Timer]] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        #: the hold on an elastic cluster's GPU executors while batches wait (None: their GPUs are not elastic)
+        self.hold: Optional[GpuHold] = None
+        self._hold_lock = threading.Lock()  #: a run's first wave and the loop's look at the backlog, one at a time
+        self._tokens: dict[str, int] = {}  #: each unfinished batch's estimated input tokens
         self.runner = BatchRunner(base, settings, store, files, self._stopping)
         self._thread = threading.Thread(target=self._loop, name="spark_llm-scheduler", daemon=True)
 
@@ -71,6 +76,8 @@ class Scheduler:
         self._stopping.set()
         self._wake.set()
         live = [r for r in self._running.values() if not r.done]
+        if self.hold is not None:
+            self.hold.release()
         for running in live:
             running.halted = True
             running.may_infer.set()  # a run that yields ends now, at its check
@@ -96,6 +103,10 @@ class Scheduler:
             self.startup_error = exc
             log.error("the Spark session could not start: %s", describe_exception(exc))
             return
+        try:
+            self.hold = GpuHold.of(self.spark, self.base)
+        except Exception as exc:  # the batches' runs report settings that do not resolve
+            log.info("no hold on GPU executors: %s", describe_exception(exc))
         self.ready.set()
         failing = False
         while not self._stopping.is_set():
@@ -121,7 +132,8 @@ class Scheduler:
             self._expired_at = now
             self.expire_files(now)
         weights = {policy.owner: policy.weight for policy in self.settings.policies().values()}
-        for batch in queue_order(self.store.unfinished(), weights):
+        unfinished = self.store.unfinished()
+        for batch in queue_order(unfinished, weights):
             ends = ends_early(batch, now)
             running = self._running.get(batch.id)
             if running is not None:
@@ -146,6 +158,38 @@ class Scheduler:
                         self._yield_to(batch)
                     self._launch(self.store.batch(batch.id) or batch,
                                  lambda b, r: self.runner.run(self.spark, b, r))
+        self._hold_for_backlog(unfinished, now)
+
+    def _hold_for_backlog(self, unfinished: list[BatchRecord], now: float) -> None:
+        """On an elastic cluster, hold the GPU engine slots the waiting batches would fill
+        (:func:`~.capacity.engines_to_hold`: their input tokens, estimated from their files' bytes) while no batch
+        of this server runs inference waves; a batch's first wave lets them go (:attr:`Run.on_infer`), and once
+        its last wave has ended the hold takes the executors again, within a tick, well inside an idle timeout
+        (while its waves' tasks still wait, the hold's would take their slots: Spark's fair pools share them)."""
+        if self.hold is None:
+            return
+        runs = self._running
+        waiting = [b for b in unfinished
+                   if not held_elsewhere(b, self.holder, now) and b.status is not Status.CANCELLING
+                   and not (b.id in runs and (runs[b.id].has_inferred or runs[b.id].ending))]
+        self._tokens = {b.id: self._tokens[b.id] if b.id in self._tokens else self._input_tokens(b) for b in waiting}
+        target = min(self.base.target_tokens_per_partition, self.settings.max_partition_tokens)
+        with self._hold_lock:
+            if self._stopping.is_set() or any(r.inferring and not r.done for r in runs.values()):
+                self.hold.release()
+            else:
+                self.hold.hold(engines_to_hold(sum(self._tokens.values()), target, self.hold.engines))
+
+    def _let_go(self, running: Run) -> None:
+        """A run's first wave is about to start: the GPU executors held for the backlog are its now."""
+        with self._hold_lock:
+            running.inferring = running.has_inferred = True
+            if self.hold is not None:
+                self.hold.release()
+
+    def _input_tokens(self, batch: BatchRecord) -> int:
+        source = self.store.file(batch.input_file_id)
+        return (source.bytes if source else 0) // BYTES_PER_TOKEN
 
     def expire_files(self, now: Optional[float] = None) -> list[str]:
         """Delete the files past their ``expires_after`` (input files no unfinished batch reads, output and error
@@ -206,7 +250,8 @@ class Scheduler:
     def _launch(self, batch: BatchRecord, body: Callable[[BatchRecord, Run], None], ending: bool = False) -> None:
         from pyspark import InheritableThread
 
-        running = self._running[batch.id] = Run(batch.id, ending=ending, priority=batch.priority)
+        running = self._running[batch.id] = Run(batch.id, ending=ending, priority=batch.priority,
+                                                on_infer=self._let_go)
         running.thread = InheritableThread(target=self._guarded, args=(body, batch, running),
                                            name=f"spark_llm-{batch.id}", daemon=True)
         running.thread.start()
