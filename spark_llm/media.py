@@ -55,6 +55,8 @@ class Medium(NamedTuple):
 IMAGE = Medium("image", "image", ErrorCode.INVALID_IMAGE_URL, ErrorCode.IMAGE_TOO_LARGE, "max_image_bytes", "vision")
 AUDIO = Medium("audio file", "audio", ErrorCode.INVALID_AUDIO_URL, ErrorCode.AUDIO_TOO_LARGE, "max_audio_bytes",
                "user_data")
+#: Each medium by the purpose of the uploads that hold one (the batch service's Files API).
+BY_PURPOSE = {m.purpose: m for m in (IMAGE, AUDIO)}
 
 
 @dataclass(frozen=True)

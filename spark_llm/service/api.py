@@ -17,11 +17,12 @@ from starlette.exceptions import HTTPException
 from ..batch import Batch
 from ..config import PRIORITIES
 from ..endpoints import ENDPOINTS
+from ..media import BY_PURPOSE
 from . import monitor, ui, uploads, webhooks
 from .access import Service, key_owner, new_id, own_batch, own_file, owner, service_of
 from .door import FrontDoor
 from .audit import audit
-from .files import AudioCheck, ImageCheck, TextCheck, check_filename, paced, receive_upload
+from .files import MEDIA_CHECKS, TextCheck, check_filename, paced, receive_upload
 from .lifecycle import CANCELLABLE, Status
 from .protocol import APIError, BatchCreate, ExpiresAfter, FileDeleted, FileObject, Page
 from .settings import NO_KEY_OWNER
@@ -90,16 +91,15 @@ async def create_file(request: Request, who: str = Depends(owner)) -> FileObject
     id = new_id("file-")
     location = service.files.location("files", id)
     def check(fields: dict[str, str]) -> Any:  # the purpose comes before the file (openai-python sends it so)
-        if fields.get("purpose") == "vision":
-            return ImageCheck(service.scheduler.base.max_image_bytes)
-        if fields.get("purpose") == "user_data":
-            return AudioCheck(service.scheduler.base.max_audio_bytes)
+        medium = BY_PURPOSE.get(fields.get("purpose", ""))
+        if medium is not None:  # an image or an audio file, within the job's limit for it
+            return MEDIA_CHECKS[medium](getattr(service.scheduler.base, medium.limit_setting))
         return TextCheck(service.settings.max_file_bytes)
     body = paced(request.stream(), service.settings.upload_idle_seconds)
     upload = await receive_upload(body, request.headers.get("content-type", ""), service.files, location, check)
     try:
         purpose = upload.fields.get("purpose")
-        if purpose not in ("batch", "vision", "user_data"):
+        if purpose != "batch" and purpose not in BY_PURPOSE:
             raise APIError.invalid(f"This server takes files with purpose 'batch' (batch input files), 'vision' "
                                    f"(images a batch's requests name by file_id) or 'user_data' (audio files its "
                                    f"transcriptions name by file); got {purpose!r}.", param="purpose")

@@ -55,9 +55,9 @@ class GpuHold:
         from ..session import default_parallelism, local_task_threads, spark_conf
 
         conf = spark_conf(spark)
-        cfg = resolve(base)
-        if config_added_executors(cfg, conf) is None:
+        if config_added_executors(base, conf) is None:  # before the model is resolved: most sessions end here
             return None
+        cfg = resolve(base)
         layout = config_layout(cfg, conf, lambda: default_parallelism(spark), local_task_threads(conf))
         return cls(spark, cfg, layout, gpu_profile(spark, cfg, layout))
 

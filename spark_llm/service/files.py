@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Mapping, Optional
 
 from ..filesystems import S3_PREFIXES, S3Access, bucket_and_key, python_filesystem
+from ..media import AUDIO, IMAGE
 from .protocol import APIError
 
 #: Bytes a download reads from storage at a time.
@@ -303,6 +304,10 @@ class AudioCheck(MediaCheck):
         except RequestError as exc:
             return f"A file with purpose 'user_data' is an audio file for transcriptions: {exc.message}"
         return None
+
+
+#: The check of an upload of each medium (its purpose's: :data:`~spark_llm.media.BY_PURPOSE`).
+MEDIA_CHECKS = {IMAGE: ImageCheck, AUDIO: AudioCheck}
 
 
 @dataclass

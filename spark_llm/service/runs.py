@@ -23,6 +23,7 @@ from ..batch import BatchErrors, BatchResult, failure_reason
 from ..config import BatchConfig, ConfigError
 from ..context import RunListener
 from ..errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
+from ..media import BY_PURPOSE
 from .files import FileStorage
 from .lifecycle import Status
 from .settings import ServiceSettings
@@ -192,7 +193,7 @@ class BatchRunner:
         """``owner``'s uploaded images (purpose vision) and audio files (purpose user_data), which its batches'
         Responses lines name by ``file_id`` and its transcriptions by ``file``: file id -> where it is stored.
         Another key's are not among them."""
-        return {f.id: f.location for purpose in ("vision", "user_data")
+        return {f.id: f.location for purpose in BY_PURPOSE
                 for f in self.store.files(owner, purpose, 1_000_000, None, False)[0]}
 
     def run(self, spark: Any, batch: BatchRecord, running: Run) -> None:
