@@ -114,3 +114,56 @@ def test_a_running_engine_has_vllm_s_usage_report_and_the_hub_off(spark, tiny_mo
                                "print(on(), c.HF_HUB_OFFLINE, c.HF_HUB_DISABLE_TELEMETRY)"],
         env=environ, capture_output=True, text=True, check=True)
     assert judged.stdout.split() == ["False", "True", "True"]
+
+
+def test_no_engine_of_the_run_called_outside_and_the_one_answering_holds_no_connection_out(spark, tiny_model,
+                                                                                           engine_dir):
+    """Every engine this test run started so far (its jobs', its service's, these probes') recorded no call past
+    loopback (egress.watch: Python's audit hooks in each engine process), and the engine answering this task holds
+    no socket to another host at that moment."""
+    import json
+
+    spec = EngineSpec.from_config(BatchConfig(**engine_settings(tiny_model)).resolved(max_model_len=1024))
+
+    def peers_outside(pid: int) -> list[str]:
+        """The remote ends past loopback of the sockets process ``pid`` holds, from the kernel's own tables
+        (``/proc/<pid>/net``): native code's sockets too, which no audit hook sees."""
+        import ipaddress
+        import os
+
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        found = []
+        for table in ("tcp", "tcp6", "udp", "udp6"):
+            for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
+                fields = line.split()
+                remote, inode = fields[2], fields[9]
+                host, port = remote.split(":")
+                if inode not in inodes or int(port, 16) == 0:  # not this process's, or not connected
+                    continue
+                # the address as the kernel prints it: 32-bit words, each little-endian
+                raw = b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8))
+                address = ipaddress.ip_address(raw)
+                mapped = getattr(address, "ipv4_mapped", None)
+                if not (mapped or address).is_loopback:
+                    found.append(f"{address}:{int(port, 16)}")
+        return found
+
+    run = probe(spec, [5, 6, 7])
+
+    def engine_peers(batches):
+        for out in run(batches):
+            pid = int(out["engine"][0])
+            yield pd.DataFrame({"engine": [pid], "peers": [json.dumps(peers_outside(pid))]})
+
+    [row] = spark.range(0, 1, 1, numPartitions=1).mapInPandas(engine_peers, "engine long, peers string").collect()
+    assert json.loads(row["peers"]) == []
+    events = read_events(engine_dir)
+    assert row["engine"] in {e["pid"] for e in events if e["event"] == "ready"}
+    assert [e for e in events if e["event"] == "egress"] == []

@@ -152,6 +152,68 @@ def test_an_engine_process_calls_nothing_outside_unless_its_executor_says_so():
     assert opted_in["TRITON_HOME"] == "/e/cache/triton"
 
 
+def test_what_reaches_past_loopback_is_egress_and_only_that():
+    import socket
+
+    from spark_llm.engine_host.egress import Egress, outside
+
+    tcp, udp = socket.socket(socket.AF_INET, socket.SOCK_STREAM), socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    unix = socket.socket(socket.AF_UNIX)
+    names = frozenset({"localhost", "gpu-node-7"})
+    try:
+        assert outside("socket.connect", (tcp, ("10.1.2.3", 443)), names) == Egress("connect", "10.1.2.3:443", "tcp")
+        assert outside("socket.connect", (tcp, ("stats.vllm.ai", 443)), names).address == "stats.vllm.ai:443"
+        assert outside("socket.sendto", (udp, ("2001:db8::1", 53, 0, 0)), names) == \
+            Egress("sendto", "2001:db8::1:53", "udp")
+        assert outside("socket.getaddrinfo", ("huggingface.co", 443, 0, 0, 0), names) == \
+            Egress("lookup", "huggingface.co:443", "dns")
+        inside = [("socket.connect", (tcp, ("127.0.0.1", 8080))), ("socket.connect", (tcp, ("localhost", 1))),
+                  ("socket.sendto", (udp, ("::1", 53, 0, 0))), ("socket.connect", (unix, "/tmp/slot.sock")),
+                  ("socket.getaddrinfo", ("gpu-node-7", None, 0, 0, 0)), ("socket.getaddrinfo", (None, 0, 0, 0, 0)),
+                  ("socket.getaddrinfo", ("10.1.2.3", 443, 0, 0, 0)),  # an address asks no resolver; its connect counts
+                  ("socket.bind", (tcp, ("0.0.0.0", 0))), ("open", ("/etc/hosts", "r", 0))]
+        assert [outside(event, args, names) for event, args in inside] == [None] * len(inside)
+    finally:
+        tcp.close(), udp.close(), unix.close()
+
+
+def test_an_engine_process_records_each_call_outside_once_through_python_s_own_audit_hooks(tmp_path):
+    """egress.watch in a process of its own (audit hooks stay for a process's life), on the socket module's real
+    calls; a second hook of the test's refuses the outside ones, so that nothing leaves this machine."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = """
+import json, socket, sys
+from spark_llm.engine_host import egress
+got = []
+egress.watch(got.append)
+def refuse(event, args):
+    if event in egress.SOCKET_EVENTS and egress.outside(event, args) is not None:
+        raise PermissionError("refused by the test")
+sys.addaudithook(refuse)
+server = socket.create_server(("127.0.0.1", 0))
+socket.create_connection(("localhost", server.getsockname()[1])).close()
+for call in [lambda: socket.create_connection(("192.0.2.1", 443), timeout=1),
+             lambda: socket.create_connection(("192.0.2.1", 443), timeout=1),
+             lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("192.0.2.7", 53)),
+             lambda: socket.getaddrinfo("stats.vllm.ai", 443)]:
+    try:
+        call()
+    except PermissionError:
+        pass
+print(json.dumps([found._asdict() for found in got]))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [{"call": "connect", "address": "192.0.2.1:443", "protocol": "tcp"},
+                                       {"call": "sendto", "address": "192.0.2.7:53", "protocol": "udp"},
+                                       {"call": "lookup", "address": "stats.vllm.ai:443", "protocol": "dns"}]
+    assert proc.stderr.count("engine process calls out") == 3
+
+
 def test_cpu_slots_started_together_share_one_process_that_forks_their_engines_gpu_slots_get_one_each(
         tmp_path, monkeypatch):
     from spark_llm import host

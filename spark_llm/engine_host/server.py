@@ -46,6 +46,7 @@ from .. import faults
 from ..errors import EngineStartError, RequestError
 from ..media import decode
 from ..host import process_alive, try_lock, write_private
+from . import egress
 from .directory import (STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, end_leftovers, engine_dir, event,
                         lock_holder, process_record, record_holder, start_failed_marker)
 from .isolation import generate_isolating, is_fatal
@@ -727,6 +728,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
                                                 "run's: start_failed_marker)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
+    egress.watch(lambda found: event(event="egress", pid=os.getpid(), **found._asdict()))  # before vLLM's import
     launcher, t0 = None, time.monotonic()
     settings = json.loads(Path(args.spec_file).read_text())
     standin = bool(settings.get("engine_standin"))  # no vLLM, torch or tokenizer to import (standin.py)
