@@ -476,6 +476,18 @@ def test_engines_held_for_a_backlog_are_one_per_partition_it_would_make_at_most_
     assert engines_to_hold(10**9, 20_000, 0) == 0
 
 
+def test_a_server_is_told_when_its_reading_executors_would_keep_their_cores_for_ever():
+    from spark_llm.service.capacity import RELEASE_SETTINGS, never_released
+
+    cached, shuffles = RELEASE_SETTINGS
+    assert never_released({}) == [cached, shuffles]  # Spark's defaults: unbounded, shuffles tracked
+    assert never_released({cached: "120s", shuffles: "120s"}) == []
+    assert never_released({cached: "120s", shuffles: "infinity"}) == [shuffles]
+    # shuffles not tracked (an external shuffle service keeps the files): only the cached blocks hold executors
+    assert never_released({"spark.shuffle.service.enabled": "true"}) == [cached]
+    assert never_released({"spark.dynamicAllocation.shuffleTracking.enabled": "false", cached: "60s"}) == []
+
+
 class _Hold:
     """What the scheduler asks of its hold on GPU executors (capacity.GpuHold), recorded."""
 

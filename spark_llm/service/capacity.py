@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import uuid
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,23 @@ def engines_to_hold(backlog_tokens: int, tokens_per_partition: int, engines: int
     if backlog_tokens <= 0 or engines <= 0:
         return 0
     return min(engines, max(1, math.ceil(backlog_tokens / max(tokens_per_partition, 1))))
+
+
+#: What lets a long-lived session's reading executors go once idle: Spark keeps an executor that holds cached blocks
+#: (the batches' rows, Delta's table states) or shuffle files for as long as these say, unbounded by default.
+RELEASE_SETTINGS = ("spark.dynamicAllocation.cachedExecutorIdleTimeout",
+                    "spark.dynamicAllocation.shuffleTracking.timeout")
+
+
+def never_released(conf: Mapping[str, str]) -> list[str]:
+    """The settings of :data:`RELEASE_SETTINGS` that a dynamic-allocation session ``conf`` leaves unbounded. Its
+    reading executors then keep their cores for the server's life, and on nodes whose cores they fill no GPU
+    executor can be added. Shuffle tracking's timeout only counts where shuffles are tracked (not with an external
+    shuffle service)."""
+    tracked = conf.get("spark.dynamicAllocation.shuffleTracking.enabled", "true").lower() == "true" and \
+        conf.get("spark.shuffle.service.enabled", "false").lower() != "true"
+    return [key for key in RELEASE_SETTINGS
+            if (tracked or key.endswith("cachedExecutorIdleTimeout")) and conf.get(key, "infinity") == "infinity"]
 
 
 class GpuHold:
@@ -57,6 +74,10 @@ class GpuHold:
         conf = spark_conf(spark)
         if config_added_executors(base, conf) is None:  # before the model is resolved: most sessions end here
             return None
+        if unbounded := never_released(conf):
+            log.warning("dynamic allocation: executors that hold cached rows or shuffle files are never removed "
+                        "(%s unset): their cores are not given back to GPU executors between batches; set %s "
+                        "(e.g. 120s)", ", ".join(unbounded), " and ".join(unbounded))
         cfg = resolve(base)
         layout = config_layout(cfg, conf, lambda: default_parallelism(spark), local_task_threads(conf))
         return cls(spark, cfg, layout, gpu_profile(spark, cfg, layout))
