@@ -151,11 +151,13 @@ def main(argv=None) -> int:
                    help="the batch service on the elastic cluster (jobs/serve.py), driven from here: a burst of "
                    "--batches batches of --requests lines each on the idle service")
     p.add_argument("--batches", type=int, default=3)
+    p.add_argument("--max-running-batches", type=int, default=1, help="the service's batches run at once")
     args = p.parse_args(argv)
     args.dynamic = args.dynamic or args.service
     import pyspark
 
     from scripts.fake_gpu_cluster import discovery_script, write_requests
+    from spark_llm.service.capacity import RELEASE_SETTINGS
     from spark_llm.engine_host import read_events
     from spark_llm.faults import FAULT_ENV
 
@@ -166,8 +168,12 @@ def main(argv=None) -> int:
     spark_home = os.path.dirname(pyspark.__file__)
     cluster = Cluster(out, spark_home)
     try:
-        # elastic: a worker holds a reading executor and a GPU executor at once (2 cores each)
-        engine_dirs = cluster.start(args.workers, 2 * args.cores if args.dynamic else args.cores, args.gpus, script)
+        # elastic: a worker holds a reading executor and a GPU executor at once (2 cores each); the service's
+        # workers have room for a GPU executor beside all the reading ones (maxExecutors: one per worker), as a
+        # wave's tasks need the shuffle files the reading executors hold: Spark removes none of those while a wave
+        # waits, and a GPU executor lost with its node must find cores on another
+        per_worker = (args.workers + 1 if args.service else 2) if args.dynamic else 1
+        engine_dirs = cluster.start(args.workers, per_worker * args.cores, args.gpus, script)
         conf = {
             "spark.executor.memory": "1g",
             "spark.task.maxFailures": "8",
@@ -181,6 +187,8 @@ def main(argv=None) -> int:
             conf.update(ELASTIC, **{"spark.executor.cores": str(args.cores),
                                     "spark.dynamicAllocation.maxExecutors": str(args.workers)})
             gpu_settings = ["--gpus-per-executor", str(args.gpus)]
+            if args.service:  # a server's session lives on: its reading executors go once idle (capacity.py)
+                conf.update(dict.fromkeys(RELEASE_SETTINGS, "60s"))
         else:
             conf.update({"spark.executor.resource.gpu.amount": str(args.gpus),
                          "spark.executor.resource.gpu.discoveryScript": str(script)})
@@ -193,7 +201,8 @@ def main(argv=None) -> int:
         if args.service:
             (out / "keys.txt").write_text(f"{SERVICE_KEY}\n")
             program = [str(ROOT / "jobs" / "serve.py"), "--storage", str(out / "service"), "--host", "127.0.0.1",
-                       "--port", "0", "--api-keys", str(out / "keys.txt"), *engine]
+                       "--port", "0", "--api-keys", str(out / "keys.txt"), "--max-running-batches",
+                       str(args.max_running_batches), *engine]
         elif args.dynamic:
             program = [str(Path(__file__).resolve()), "--drive", str(out / "executors.jsonl"),
                        *[a for d in engine_dirs for a in ("--engine-dir", str(d))], *engine, *batch_files(out)]

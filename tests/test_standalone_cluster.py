@@ -1,7 +1,8 @@
 """The path a user takes when one machine is not enough: ``spark-submit --master spark://...`` on a real Spark
 standalone cluster (the installed pyspark's own master and two workers, on this machine, each worker with two fake
 GPUs and an engine directory of its own, as separate hosts would have), one worker killed mid-wave
-(scripts/standalone_cluster.py). Asserted from the batch's files and the engines' own records."""
+(scripts/standalone_cluster.py): a batch job, the same with dynamic allocation, and the batch service on the elastic
+cluster. Asserted from the batches' files and the engines' own records."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ pytestmark = pytest.mark.engine
 REQUESTS, GPUS = 240, 2
 
 
-def drill(model: str, out, flag: str) -> dict:
-    """scripts/standalone_cluster.py with ``flag``: what it printed, and the driver's log."""
+def drill(model: str, out, *flags: str, requests: int = REQUESTS, gpus: int = GPUS) -> dict:
+    """scripts/standalone_cluster.py with ``flags``: what it printed, and the driver's log."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "standalone_cluster.py"), "--model", model,
-                           "--out", str(out), "--requests", str(REQUESTS), "--gpus", str(GPUS), flag],
+                           "--out", str(out), "--requests", str(requests), "--gpus", str(gpus), *flags],
                           capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -100,3 +101,33 @@ def test_idle_gpu_executors_and_their_engines_go_while_the_application_still_run
         assert all(e["reason"].startswith("executor gone") and e["time"] < elastic["app_ending_at"] for e in stops)
     print(f"elastic: first executor {elastic['first_executor_s']} s, completed {elastic['completed_s']} s, "
           f"GPU executors and engines gone {elastic['released_s']} s after the submit")
+
+
+SERVICE_BATCHES, SERVICE_REQUESTS, SERVICE_GPUS = 3, 40, 1  # a GPU a worker: two engine loads on these two cores
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model, tmp_path_factory) -> dict:
+    """The batch service on the same elastic cluster (spark-submit jobs/serve.py), idle, then a burst of three
+    batches created at once through openai-python; one worker killed as an engine call holding r20 starts."""
+    return drill(tiny_model, tmp_path_factory.mktemp("service"), "--service", "--kill-node", "--batches",
+                 str(SERVICE_BATCHES), requests=SERVICE_REQUESTS, gpus=SERVICE_GPUS)
+
+
+def test_the_idle_elastic_service_holds_no_executor_then_gets_gpus_for_its_backlog_and_gives_them_back(service):
+    assert service["idle_before"] and set(service["idle_before"]) == {0}, service["executors"]
+    assert max(service["gpus"]) == 2 * SERVICE_GPUS and service["gpus"][-1] == 0, service["gpus"]
+    assert service["engines_ended_in_app"], service["events"]
+    print(f"service: first executor {service['first_executor_s']} s, all {SERVICE_BATCHES} batches completed "
+          f"{service['completed_s']} s, no GPU held {service['released_s']} s after the first create")
+
+
+def test_three_batches_on_the_elastic_service_each_complete_every_line_once_though_a_worker_died(service):
+    assert service["node_killed"] and "Lost executor" in service["driver_log"], service["driver_log"][-3000:]
+    assert len(service["batches"]) == SERVICE_BATCHES
+    for batch in service["batches"]:
+        assert batch["status"] == "completed" and batch["error_ids"] == [], batch
+        assert sorted(batch["output_ids"]) == sorted(f"r{i}" for i in range(SERVICE_REQUESTS))
+    for worker, events in service["events"].items():  # the dead worker's engines too: gone with their executor
+        started = {e["pid"] for e in events if e["event"] == "start"}
+        assert started and {e["pid"] for e in events if e["event"] == "stop"} == started, (worker, events)
