@@ -157,9 +157,9 @@ def main(argv=None) -> int:
     import pyspark
 
     from scripts.fake_gpu_cluster import discovery_script, write_requests
-    from spark_llm.service.capacity import RELEASE_SETTINGS
     from spark_llm.engine_host import read_events
     from spark_llm.faults import FAULT_ENV
+    from spark_llm.service.capacity import RELEASE_SETTINGS
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

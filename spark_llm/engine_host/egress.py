@@ -16,7 +16,7 @@ import ipaddress
 import logging
 import socket
 import sys
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Egress(NamedTuple):
     protocol: str
 
 
-def _address(host: str) -> Optional[ipaddress._BaseAddress]:
+def _address(host: str) -> Optional[Union[ipaddress.IPv4Address, ipaddress.IPv6Address]]:
     try:
         return ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
