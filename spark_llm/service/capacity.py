@@ -35,8 +35,9 @@ def engines_to_hold(backlog_tokens: int, tokens_per_partition: int, engines: int
 
 #: What lets a long-lived session's reading executors go once idle: Spark keeps an executor that holds cached blocks
 #: (the batches' rows, Delta's table states) or shuffle files for as long as these say, unbounded by default.
-RELEASE_SETTINGS = ("spark.dynamicAllocation.cachedExecutorIdleTimeout",
-                    "spark.dynamicAllocation.shuffleTracking.timeout")
+CACHED_TIMEOUT = "spark.dynamicAllocation.cachedExecutorIdleTimeout"
+SHUFFLE_TIMEOUT = "spark.dynamicAllocation.shuffleTracking.timeout"
+RELEASE_SETTINGS = (CACHED_TIMEOUT, SHUFFLE_TIMEOUT)
 
 
 def never_released(conf: Mapping[str, str]) -> list[str]:
@@ -46,8 +47,8 @@ def never_released(conf: Mapping[str, str]) -> list[str]:
     shuffle service)."""
     tracked = conf.get("spark.dynamicAllocation.shuffleTracking.enabled", "true").lower() == "true" and \
         conf.get("spark.shuffle.service.enabled", "false").lower() != "true"
-    return [key for key in RELEASE_SETTINGS
-            if (tracked or key.endswith("cachedExecutorIdleTimeout")) and conf.get(key, "infinity") == "infinity"]
+    return [key for key in (RELEASE_SETTINGS if tracked else (CACHED_TIMEOUT,))
+            if conf.get(key, "infinity") == "infinity"]
 
 
 class GpuHold:
