@@ -26,7 +26,8 @@ allocation from no executor) and this script is its client: a burst of ``--batch
 idle service, each batch's lines checked once in its files, and the service's own ``/metrics`` sampled twice a
 second (``spark_llm_executors``, ``spark_llm_executor_gpus``): the seconds from the first create to the first
 executor, to every batch completed, and to no GPU held (``first_executor_s``, ``completed_s``, ``released_s``).
-``--kill-node`` kills a worker in the middle of the burst.
+``--kill-node`` kills a worker in the middle of the burst, once the service holds every worker's GPUs (the
+engine call holding the middle request waits for it).
 
     python scripts/standalone_cluster.py --model .cache/tiny-llm --out /tmp/service --service
 
@@ -193,7 +194,11 @@ def main(argv=None) -> int:
             conf.update({"spark.executor.resource.gpu.amount": str(args.gpus),
                          "spark.executor.resource.gpu.discoveryScript": str(script)})
         if args.kill_node:
-            conf[f"spark.executorEnv.{FAULT_ENV}"] = f"kill_node_once:{out / 'node-killed'}:r{args.requests // 2}"
+            middle = f"r{args.requests // 2}"
+            faults = [f"kill_node_once:{out / 'node-killed'}:{middle}"]
+            if args.service:  # the kill waits until the service holds every worker's GPUs (burst: KILL_RELEASE)
+                faults.insert(0, f"hold_inference_until:{out / KILL_RELEASE}:{middle}")
+            conf[f"spark.executorEnv.{FAULT_ENV}"] = ";".join(faults)
         target = max(1, args.requests * 22 // (4 * args.workers * args.gpus))  # about 4 partitions per engine
         engine = ["--model", args.model, "--max-model-len", "512", "--max-num-seqs", "32", "--dtype", "bfloat16",
                   "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--target-tokens-per-partition",
@@ -218,7 +223,8 @@ def main(argv=None) -> int:
             if args.service:
                 server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 try:
-                    got = burst(out, server, engine_dirs, args.batches, args.requests, Path(args.model).name)
+                    got = burst(out, server, engine_dirs, args.batches, args.requests, Path(args.model).name,
+                                every_gpu=args.workers * args.gpus)
                 finally:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(server.pid, signal.SIGTERM)  # the service's clean stop
@@ -255,6 +261,12 @@ def main(argv=None) -> int:
 
 #: The service drill's API key.
 SERVICE_KEY = "sk-standalone-drill"
+#: The file that lets the service drill's node kill go (a ``hold_inference_until`` release, spark_llm.faults): made
+#: once the service holds every worker's GPUs, so that the drill asserts a scale-out it waited for. Killed any
+#: earlier, the first GPU executor can die before the second one registers, and the service never holds both.
+KILL_RELEASE = "kill-go"
+#: How long the held kill waits for every GPU at the most; then it goes, and the drill's figures show the shortfall.
+KILL_HOLD_SECONDS = 300.0
 
 
 def batch_files(out: Path) -> list[str]:
@@ -264,10 +276,11 @@ def batch_files(out: Path) -> list[str]:
 
 
 def burst(out: Path, server: subprocess.Popen, engine_dirs: list[Path], batches: int, requests: int,
-          model: str) -> dict:
+          model: str, every_gpu: int) -> dict:
     """The service drill's client: once the service answers, ``batches`` batches of ``requests`` lines created at
     once, each waited for; then until the service holds no GPU and every engine has ended. ``/metrics`` is sampled
-    twice a second all along."""
+    twice a second all along. A node kill held at its engine call (``KILL_RELEASE``) is let go once a sample shows
+    ``every_gpu`` GPUs held."""
     import threading
 
     import httpx
@@ -316,7 +329,12 @@ def burst(out: Path, server: subprocess.Popen, engine_dirs: list[Path], batches:
     final = ("completed", "failed", "expired", "cancelled")
     done: dict = {}
     deadline = time.monotonic() + 1200
+    release, held = out / KILL_RELEASE, out / f"{KILL_RELEASE}.held"
     while len(done) < len(ids) and time.monotonic() < deadline:
+        if held.exists() and not release.exists() and (
+                any(s["gpus"] >= every_gpu for s in samples)
+                or time.time() - held.stat().st_mtime > KILL_HOLD_SECONDS):
+            release.touch()
         for batch_id in ids:
             if batch_id not in done and (batch := client.batches.retrieve(batch_id)).status in final:
                 done[batch_id] = (batch, time.time())

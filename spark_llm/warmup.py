@@ -10,6 +10,7 @@ Called from one place each: :func:`start_before_session` by whoever makes the se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Iterator, Mapping, Optional
@@ -159,7 +160,8 @@ def hold_partition(batches: Iterator, ctx: InferContext) -> Iterator:
 
     for _ in batches:
         gpus = task_gpus(ctx.engine.tensor_parallel_size)
-        with engine_for(ctx.engine, ctx.process, TaskPlace(gpus=tuple(gpus) if gpus else None), ctx.run_id):
+        place = dataclasses.replace(ctx.place, gpus=tuple(gpus)) if gpus else ctx.place  # a feed, as a wave's task
+        with engine_for(ctx.engine, ctx.process, place, ctx.run_id):
             pass
         while True:  # ended by the job's cancellation, which kills this Python worker
             time.sleep(60)

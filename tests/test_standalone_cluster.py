@@ -7,6 +7,7 @@ cluster. Asserted from the batches' files and the engines' own records."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -109,7 +110,8 @@ SERVICE_BATCHES, SERVICE_REQUESTS, SERVICE_GPUS = 3, 40, 1  # a GPU a worker: tw
 @pytest.fixture(scope="module")
 def service(tiny_model, tmp_path_factory) -> dict:
     """The batch service on the same elastic cluster (spark-submit jobs/serve.py), idle, then a burst of three
-    batches created at once through openai-python; one worker killed as an engine call holding r20 starts."""
+    batches created at once through openai-python; one worker killed as an engine call holding r20 starts, which
+    waits until the service holds both workers' GPUs (the drill lets it go then)."""
     return drill(tiny_model, tmp_path_factory.mktemp("service"), "--service", "--kill-node", "--batches",
                  str(SERVICE_BATCHES), requests=SERVICE_REQUESTS, gpus=SERVICE_GPUS)
 
@@ -120,6 +122,18 @@ def test_the_idle_elastic_service_holds_no_executor_then_gets_gpus_for_its_backl
     assert service["engines_ended_in_app"], service["events"]
     print(f"service: first executor {service['first_executor_s']} s, all {SERVICE_BATCHES} batches completed "
           f"{service['completed_s']} s, no GPU held {service['released_s']} s after the first create")
+
+
+def test_the_service_s_hold_on_the_backlog_asks_spark_for_a_gpu_executor_per_engine_it_holds(service):
+    """Before the first wave, the service holds an engine per GPU for the burst's backlog (capacity.GpuHold), and
+    the hold's job asks dynamic allocation for as many GPU executors (the inference profile's desired total, as
+    Spark's ExecutorAllocationManager logs it). Its tasks take a share of a GPU each (two feeds an engine): a task
+    an engine once packed the whole hold onto one executor."""
+    log = service["driver_log"]
+    held = re.search(r"holding (\d+) engine slot\(s\) of GPU executors", log)
+    before_wave = log[held.end():log.index("GPU executors let go to the inference waves", held.end())]
+    asked = [int(n) for n in re.findall(r"new desired total will be (\d+) for resource profile id: [1-9]", before_wave)]
+    assert int(held.group(1)) == 2 * SERVICE_GPUS and max(asked, default=0) == 2 * SERVICE_GPUS, asked
 
 
 def test_three_batches_on_the_elastic_service_each_complete_every_line_once_though_a_worker_died(service):

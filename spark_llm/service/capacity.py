@@ -53,7 +53,7 @@ def never_released(conf: Mapping[str, str]) -> list[str]:
 
 class GpuHold:
     """The service's hold on GPU executors of an elastic cluster: :meth:`hold` keeps ``n`` engine slots of the
-    inference stage's ResourceProfile busy (a background Spark job of ``n`` tasks, each with its engine loaded:
+    inference stage's ResourceProfile busy (a background Spark job of ``n`` x feeds tasks, their engines loaded:
     :func:`~spark_llm.warmup.hold_partition`), :meth:`release` cancels it. None of it on a cluster whose executors
     hold their GPUs for their life, or a local master: :meth:`of` returns None there."""
 
@@ -127,8 +127,11 @@ class GpuHold:
         ctx = InferContext(engine=EngineSpec.from_config(self.cfg), served_model_name=self.cfg.served_model_name or "",
                            batch_id="", process=config_view(ProcessSettings, self.cfg),
                            run_id=f"hold-{uuid.uuid4().hex[:12]}", place=self.layout.place)
+        # a task of the profile takes 1/feeds of a GPU: Spark packs `feeds` of them on one GPU executor, and a hold
+        # of one task per engine would get one executor whatever it holds
+        tasks = engines * self.layout.feeds
         try:
-            (self.spark.range(0, engines, 1, numPartitions=engines)
+            (self.spark.range(0, tasks, 1, numPartitions=tasks)
              .mapInPandas(lambda it: hold_partition(it, ctx), "slot string", profile=self.profile).collect())
         except Exception as exc:  # cancelled (the usual end), or an engine that could not start: a batch's run says
             log.debug("the hold on GPU executors ended: %s", str(exc).splitlines()[0] if str(exc) else exc)
