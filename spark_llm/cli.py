@@ -75,10 +75,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         config.batch_id = new_batch_id()
     if not planning:
         from .prepare import preload_tokenizers
+        from .session import local_session_conf, local_task_threads
         from .warmup import start_before_session
 
         if start_before_session(config, spark_conf, args.master, args.remote):  # a local[N] session: engines load
-            preload_tokenizers(config)  # meanwhile, and a small input's tokenizers
+            threads = local_task_threads(local_session_conf(args.master, spark_conf)) or 1
+            preload_tokenizers(config, threads)  # meanwhile, and the tokenizers of an input prepared here
     spark = get_session(master=args.master, conf=spark_conf, remote=args.remote)
     try:
         if planning:

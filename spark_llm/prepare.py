@@ -4,7 +4,7 @@ Everything before inference that looks at single requests: reading (:mod:`~spark
 (:mod:`~spark_llm.validate`), duplicate ``custom_id``\\ s, token counting (:mod:`~spark_llm.tokens`) and the stable
 per-line ids the result tables are keyed by. Rows that fail anywhere carry ``error_code``; none are dropped.
 
-On Spark's executors, or, for a small JSONL input on this machine in a local session (:data:`LOCAL_PREPARE_BYTES`),
+On Spark's executors, or, for a JSONL input on this machine in a local session small enough (:func:`prepares_here`),
 in the driver's own process with the same functions over pandas, a chunk of lines at a time, the rows then handed
 to Spark as one Arrow table (their counts and partition plan made here too, :class:`LocalRows`): a few Python
 workers starting cold and the JVM's first jobs cost a small batch more than its work does.
@@ -33,9 +33,13 @@ PREPARED_SCHEMA = T.StructType(TOKENIZED_SCHEMA.fields + [T.StructField("id", T.
                                                           T.StructField("request_id", T.StringType())])
 
 #: Largest input (bytes of JSONL files on this machine) a local session prepares in the driver's process
-#: (:func:`prepares_in_process`). Its rows pass through the driver on their way to Spark, so the bound is small; as
-#: Spark jobs, a 15-line batch's prepare stage takes 16 s beside a loading engine on two cores.
-LOCAL_PREPARE_BYTES = 8 << 20
+#: (:func:`prepares_here`): its rows pass through the driver on their way to Spark.
+LOCAL_PREPARE_BYTES = 32 << 20
+#: What the prepare stage's Spark jobs cost before their work (cold Python workers, the JVM's first jobs, the
+#: duplicates' shuffle), beside a loading engine: 9.5 s on two cores for a 2,000-line input.
+SPARK_PREPARE_SECONDS = 9.5
+#: Bytes of JSONL one core reads, validates and counts tokens of per second, beside a loading engine.
+PREPARE_BYTES_PER_SECOND = 1.5e6
 
 
 @dataclass(frozen=True)
@@ -105,29 +109,43 @@ def prepare_on_spark(spark: SparkSession, models: Sequence[BatchConfig]) -> Data
     return with_line_ids(tokenized, cfg.batch_id or "")
 
 
+def prepares_here(input_bytes: int, task_threads: int) -> bool:
+    """Whether ``input_bytes`` of JSONL are prepared sooner in this process than by Spark's jobs on a local master
+    of ``task_threads`` task threads. Here the work takes ``b / r`` seconds (``r``:
+    :data:`PREPARE_BYTES_PER_SECOND`); on Spark a fixed ``f`` (:data:`SPARK_PREPARE_SECONDS`) plus the same work
+    over the threads, ``f + b / (r t)``. So here while ``b <= f r t / (t - 1)``: 28.5 MB on two threads, 15 MB on
+    thirty-two, always on one; and never past :data:`LOCAL_PREPARE_BYTES`."""
+    if input_bytes > LOCAL_PREPARE_BYTES:
+        return False
+    if task_threads <= 1:
+        return True
+    return input_bytes <= SPARK_PREPARE_SECONDS * PREPARE_BYTES_PER_SECOND * task_threads / (task_threads - 1)
+
+
 def prepares_in_process(spark: SparkSession, cfg: BatchConfig) -> bool:
     """The run's input is prepared in this process (:func:`prepare_in_process`): a classic local session (its
-    executor is this machine) and JSONL files on this machine of at most :data:`LOCAL_PREPARE_BYTES`."""
-    from .session import is_connect, is_local_master, spark_conf
+    executor is this machine) and JSONL files on this machine that :func:`prepares_here` says are sooner done here."""
+    from .session import is_connect, is_local_master, local_task_threads, spark_conf
 
-    if cfg.input_table or is_connect(spark) or not is_local_master(spark_conf(spark)):
+    conf = spark_conf(spark)
+    if cfg.input_table or is_connect(spark) or not is_local_master(conf):
         return False
-    return _small_local_input(cfg)
+    return _prepared_here(cfg, local_task_threads(conf) or 1)
 
 
-def _small_local_input(cfg: BatchConfig) -> bool:
-    """The input is JSONL files on this machine of at most :data:`LOCAL_PREPARE_BYTES`."""
+def _prepared_here(cfg: BatchConfig, task_threads: int) -> bool:
+    """The input is JSONL files on this machine that :func:`prepares_here` prepares in this process."""
     from .read import local_input_bytes
 
     size = local_input_bytes(cfg)
-    return size is not None and size <= LOCAL_PREPARE_BYTES
+    return size is not None and prepares_here(size, task_threads)
 
 
-def preload_tokenizers(config: BatchConfig) -> bool:
-    """``spark-llm run`` on a local master it starts itself: when the input is small enough to be prepared in this
-    process (:data:`LOCAL_PREPARE_BYTES`), load its models' tokenizers in a thread of this process while the
-    session's JVM starts, for :func:`prepare_in_process` to find loaded (importing transformers and loading the
-    tokenizer is 3.7 s of a 15-line run's 27 s when it waits for the session). A head start only: False, and nothing
+def preload_tokenizers(config: BatchConfig, task_threads: int) -> bool:
+    """``spark-llm run`` on a local master of ``task_threads`` task threads that it starts itself: when the input
+    is to be prepared in this process (:func:`prepares_here`), load its models' tokenizers in a thread of this
+    process while the session's JVM starts, for :func:`prepare_in_process` to find loaded (importing transformers
+    and loading the tokenizer is 3.7 s of a 15-line run's 27 s when it waits for the session). A head start only: False, and nothing
     loaded, when the input is not such a file or the settings do not resolve here; a tokenizer that fails to load
     fails the prepare stage's own load, with its message."""
     import threading
@@ -135,7 +153,7 @@ def preload_tokenizers(config: BatchConfig) -> bool:
     from .models import resolve, resolve_models
     from .tokenizers import get_tokenizer
 
-    if not _small_local_input(config):
+    if not _prepared_here(config, task_threads):
         return False
     try:
         paths = list(dict.fromkeys(m.tokenizer for m in resolve_models(resolve(config))))

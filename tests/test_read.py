@@ -123,3 +123,16 @@ def test_local_lines_are_the_lines_spark_reads(spark, tmp_path):
                   for r in pdf.itertuples())
     theirs = sorted((r["file"], r["line_number"], bytes(r["value"])) for r in read_lines(spark, str(tmp_path)).collect())
     assert ours == theirs and len(ours) == 6
+
+
+def test_an_input_is_prepared_in_the_driver_s_process_while_that_is_sooner_than_spark_s_jobs():
+    """prepares_here: Spark's prepare jobs cost a fixed time and share the work among the task threads; this process
+    does the work alone. So the more threads, the smaller the input prepared here, and never past the memory bound."""
+    from spark_llm.prepare import LOCAL_PREPARE_BYTES, prepares_here
+
+    mb = 1 << 20
+    assert prepares_here(12 * mb, 2)          # the 20,000-line benchmark on two threads: 8.5 s here, 12.5 s on Spark
+    assert prepares_here(27 * mb, 2) and not prepares_here(28 * mb, 2)    # f r t / (t - 1): 28.5 MB (27.2 MiB)
+    assert prepares_here(14 * mb, 32) and not prepares_here(15 * mb, 32)  # 14.7 MB: towards f r (14.25 MB)
+    assert prepares_here(LOCAL_PREPARE_BYTES, 1) and not prepares_here(LOCAL_PREPARE_BYTES + 1, 1)
+    assert prepares_here(0, 64)
