@@ -13,7 +13,6 @@ completes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -123,8 +122,7 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
         answer(i, [failure])
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
     journal = Journal.open(ctx.journal, ctx.partition(pdf), ctx.journal_s3)
-    place = dataclasses.replace(ctx.place, gpus=tuple(gpus)) if gpus else ctx.place
-    with engine_for(ctx.engine, ctx.process, place, ctx.run_id) as engine:
+    with engine_for(ctx.engine, ctx.process, ctx.place.with_gpus(gpus), ctx.run_id) as engine:
         engine.priority = ctx.priority
         t0, engine_started = time.monotonic(), time.time()
         guarded = generate_guarded(engine, requests, owner, pdf, journal, answer)

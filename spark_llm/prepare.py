@@ -145,9 +145,9 @@ def preload_tokenizers(config: BatchConfig, task_threads: int) -> bool:
     """``spark-llm run`` on a local master of ``task_threads`` task threads that it starts itself: when the input
     is to be prepared in this process (:func:`prepares_here`), load its models' tokenizers in a thread of this
     process while the session's JVM starts, for :func:`prepare_in_process` to find loaded (importing transformers
-    and loading the tokenizer is 3.7 s of a 15-line run's 27 s when it waits for the session). A head start only: False, and nothing
-    loaded, when the input is not such a file or the settings do not resolve here; a tokenizer that fails to load
-    fails the prepare stage's own load, with its message."""
+    and loading the tokenizer is 3.7 s of a 15-line run's 27 s when it waits for the session). A head start only:
+    False, and nothing loaded, when the input is not such a file or the settings do not resolve here; a tokenizer
+    that fails to load fails the prepare stage's own load, with its message."""
     import threading
 
     from .models import resolve, resolve_models

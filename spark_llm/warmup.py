@@ -10,7 +10,6 @@ Called from one place each: :func:`start_before_session` by whoever makes the se
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from typing import Iterator, Mapping, Optional
@@ -160,8 +159,7 @@ def hold_partition(batches: Iterator, ctx: InferContext) -> Iterator:
 
     for _ in batches:
         gpus = task_gpus(ctx.engine.tensor_parallel_size)
-        place = dataclasses.replace(ctx.place, gpus=tuple(gpus)) if gpus else ctx.place  # a feed, as a wave's task
-        with engine_for(ctx.engine, ctx.process, place, ctx.run_id):
+        with engine_for(ctx.engine, ctx.process, ctx.place.with_gpus(gpus), ctx.run_id):  # a feed, as a wave's task
             pass
         while True:  # ended by the job's cancellation, which kills this Python worker
             time.sleep(60)

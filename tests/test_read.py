@@ -131,7 +131,7 @@ def test_an_input_is_prepared_in_the_driver_s_process_while_that_is_sooner_than_
     from spark_llm.prepare import LOCAL_PREPARE_BYTES, prepares_here
 
     mb = 1 << 20
-    assert prepares_here(12 * mb, 2)          # the 20,000-line benchmark on two threads: 8.5 s here, 12.5 s on Spark
+    assert prepares_here(12 * mb, 2)          # the 20,000-line overhead benchmark's input
     assert prepares_here(27 * mb, 2) and not prepares_here(28 * mb, 2)    # f r t / (t - 1): 28.5 MB (27.2 MiB)
     assert prepares_here(14 * mb, 32) and not prepares_here(15 * mb, 32)  # 14.7 MB: towards f r (14.25 MB)
     assert prepares_here(LOCAL_PREPARE_BYTES, 1) and not prepares_here(LOCAL_PREPARE_BYTES + 1, 1)

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..config import BatchConfig, ConfigError
@@ -190,6 +190,10 @@ class TaskPlace:
     #: engines of one executor under Spark's GPU scheduling: with more than one, a task whose GPUs cannot start an
     #: engine feeds another GPU's (see :func:`~spark_llm.engine_host.client.engine_for`)
     executor_engines: int = 1
+
+    def with_gpus(self, gpus: Sequence[str]) -> "TaskPlace":
+        """This place for a task Spark gave ``gpus`` (none: as it is)."""
+        return replace(self, gpus=tuple(gpus)) if gpus else self
 
     def local_slots(self, executor: Optional[int] = None) -> list[Slot]:
         """The local master's engine slots: one per device group, else ``local_engines`` CPU slots (of this
