@@ -130,13 +130,16 @@ def test_each_batch_runs_once_on_one_server_and_either_server_answers_for_it(ser
     assert all(runs.values()), runs  # both servers took batches from the shared queue
 
 
+CLIENTS, BATCHES = 10, 60  # enough to overlap creates and claims on both servers; each batch is ~4 s of a server
+
+
 def test_many_batches_from_concurrent_clients_against_both_servers_each_complete_once(servers, tmp_path):
-    """200 batches created by 20 clients at once, half of them against each server: every create is answered
+    """60 batches created by 10 clients at once, half of them against each server: every create is answered
     with a batch, every batch completes, each in one run by one server, every line in exactly one file."""
     from concurrent.futures import ThreadPoolExecutor
 
     names = list(servers)
-    clients = [servers[names[n % 2]].client() for n in range(20)]
+    clients = [servers[names[n % 2]].client() for n in range(CLIENTS)]
     source = write_jsonl(tmp_path / "burst.jsonl", [chat_line(f"q{i}", f"Say {i}.", max_tokens=1) for i in range(2)])
     files = [c.files.create(file=source.open("rb"), purpose="batch").id for c in clients]
 
@@ -144,16 +147,16 @@ def test_many_batches_from_concurrent_clients_against_both_servers_each_complete
         k = n % len(clients)
         return clients[k].batches.create(input_file_id=files[k], endpoint="/v1/chat/completions",
                                          completion_window="24h").id
-    with ThreadPoolExecutor(20) as pool:
-        ids = list(pool.map(create, range(200)))
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        ids = list(pool.map(create, range(BATCHES)))
     finished: dict = {}
     deadline = time.time() + 1800
-    while len(finished) < len(ids) and time.time() < deadline:  # a sweep of the list, not 200 pollers
+    while len(finished) < len(ids) and time.time() < deadline:  # a sweep of the list, not a poller per batch
         time.sleep(2)
         finished.update({b.id: b for b in clients[1].batches.list(limit=100) if b.id in ids and b.status in FINAL})
     done = [finished.get(i) or clients[0].batches.retrieve(i) for i in ids]
-    assert len(set(ids)) == 200
-    assert [b.status for b in done] == ["completed"] * 200
+    assert len(set(ids)) == BATCHES
+    assert [b.status for b in done] == ["completed"] * BATCHES
     assert all(b.request_counts.completed == 2 and b.request_counts.failed == 0 and b.output_file_id
                and not b.error_file_id for b in done)
     runs = [run for per_server in runs_by_server(servers).values() for run in per_server if run[0] in ids]
