@@ -3,6 +3,8 @@
     check settings -> context -> [the engines start loading, in the background] -> destination
     -> prepare (read, validate, dedupe, count tokens, ids) -> validation errors
     -> infer model by model, in waves (plan; infer and commit, two waves in flight)
+       (a large local input prepared in this process: in two parts, the first part's first wave inferring while
+       the rest is prepared, validated and planned)
        (or, ending a batch early with finish_unanswered: every unanswered request an error row)
     -> report (files, batch.json, report.html)
 
@@ -14,10 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from pyspark import StorageLevel
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from . import storage, write
@@ -27,10 +29,11 @@ from .context import RunContext, RunListener
 from .engine_host.isolation import retry_budget_warning
 from .engine_host.placement import check_gpu_settings
 from .models import check_adapters
-from .prepare import Outcomes, check_size, count_outcomes, prepared
+from .prepare import (Outcomes, Prepared, PreparingRest, check_size, count_outcomes, prepare_in_parts, prepared,
+                      prepares_in_parts_here)
 from .report import Outcome, finish, write_failed_batch
 from .session import check_delta, spark_conf
-from .waves import Inferred, infer_models
+from .waves import Inferred, infer_in_waves, infer_models
 from .warmup import EngineWarmup
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,8 @@ def run_batch(spark: SparkSession, config: BatchConfig, listener: Optional[RunLi
 def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
     """Every pending line to one row: validation errors first, then inference in waves."""
     run.describe("read, validate and count tokens")
+    if _in_parts(run):
+        return _write_rows_in_parts(run, warmup, *prepare_in_parts(run.spark, run.models))
     ready = prepared(run.spark, run.models)
     requests = ready.rows.persist(StorageLevel.MEMORY_AND_DISK)
     pending = requests
@@ -105,3 +110,52 @@ def _write_rows(run: RunContext, warmup: Optional[EngineWarmup]) -> Outcome:
         requests.unpersist()
     return Outcome(plan=inferred.plan, skipped=counts.rows - todo.rows, in_progress_at=in_progress_at,
                    records=inferred.committed.records, error_rows=todo.errors + inferred.committed.error_rows)
+
+
+def _in_parts(run: RunContext) -> bool:
+    """The run's input is prepared in two parts (:func:`~spark_llm.prepare.prepares_in_parts_here`): a run of one
+    model over every line (not a resume, nor one ending the batch), without ``max_requests`` (whose check must
+    come before any inference)."""
+    cfg = run.cfg
+    return (len(run.models) == 1 and not cfg.resume and not cfg.finish_unanswered and cfg.max_requests is None
+            and prepares_in_parts_here(run.spark, cfg))
+
+
+def _write_rows_in_parts(run: RunContext, warmup: Optional[EngineWarmup], head: Prepared,
+                         rest: PreparingRest) -> Outcome:
+    """:func:`_write_rows` of an input prepared in two parts: the first part's first wave infers while the rest
+    is prepared; then the whole input's counts go to the listener, its validation errors are committed in the
+    background, and the rest is planned, all before any wave is committed."""
+    held = [head.rows.persist(StorageLevel.MEMORY_AND_DISK)]
+    in_progress_at = int(time.time())
+    whole = {"run": run, "counts": head.local.outcomes()}
+
+    def the_rest() -> tuple[RunContext, DataFrame, Any]:
+        ready = rest.wait(run.spark)
+        held.append(ready.rows.persist(StorageLevel.MEMORY_AND_DISK))
+        counts = whole["counts"] = whole["counts"] + ready.local.outcomes()
+        run.listener.validated(counts.rows, counts.errors, 0)
+        if counts.errors:  # committed while the requests infer
+            whole["run"] = write.insert_errors_meanwhile(run, write.error_rows(held[0].unionByName(held[1]), run))
+        return whole["run"], _valid(held[1]), ready.local.valid()
+
+    try:
+        inferred = Inferred()
+        if head.local.valid().num_rows:
+            inferred = infer_in_waves(run, _valid(held[0]), warmup, planned_here=head.local.valid(), rest=the_rest)
+        else:  # nothing of the first part infers: the rest alone, as a whole input
+            run_now, valid, here = the_rest()
+            if here.num_rows:
+                inferred = infer_in_waves(run_now, valid, warmup, planned_here=here)
+        write.wait_for_writes(whole["run"])  # they read the prepared rows: done before those are released
+    finally:
+        for rows in held:
+            rows.unpersist()
+    counts = whole["counts"]
+    return Outcome(plan=inferred.plan, skipped=0, in_progress_at=in_progress_at,
+                   records=inferred.committed.records, error_rows=counts.errors + inferred.committed.error_rows)
+
+
+def _valid(rows: DataFrame) -> DataFrame:
+    """The requests that infer: rows without an error."""
+    return rows.where(F.col("error_code").isNull())

@@ -19,7 +19,7 @@ import json
 import logging
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -51,7 +51,7 @@ class Wave:
 
     @property
     def label(self) -> str:
-        return f"{self.number}/{self.of}"
+        return f"{self.number}/{self.of}" if self.of else str(self.number)  # of 0: the run's count not known yet
 
 
 def waves_of(num_partitions: int, per_wave: int, before: int = 0) -> list[Wave]:
@@ -131,24 +131,48 @@ def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmu
 
 def merged_plan(plans: dict[str, dict]) -> dict:
     """The plans of several models as one (partitions in the order they ran), each model's under ``models``."""
-    tokens = [t for p in plans.values() for t in p["tokens_per_partition"]]
+    return {**joined_plan(list(plans.values())), "models": plans}
+
+
+def joined_plan(plans: Sequence[dict]) -> dict:
+    """Plans made one after the other in a run (its models', or the parts of an input prepared in parts) as one,
+    their partitions in the order they ran."""
+    tokens = [t for p in plans for t in p["tokens_per_partition"]]
     mean = sum(tokens) / len(tokens) if tokens else 0
-    return {"num_partitions": len(tokens), "task_slots": max(p["task_slots"] for p in plans.values()),
-            "engines": max(p["engines"] for p in plans.values()),
-            "total_estimated_tokens": sum(p["total_estimated_tokens"] for p in plans.values()),
-            "target_tokens_per_partition": next(iter(plans.values()))["target_tokens_per_partition"],
+    return {"num_partitions": len(tokens), "task_slots": max(p["task_slots"] for p in plans),
+            "engines": max(p["engines"] for p in plans),
+            "total_estimated_tokens": sum(p["total_estimated_tokens"] for p in plans),
+            "target_tokens_per_partition": plans[0]["target_tokens_per_partition"],
             "tokens_per_partition": tokens,
-            "requests_per_partition": [r for p in plans.values() for r in p["requests_per_partition"]],
+            "requests_per_partition": [r for p in plans for r in p["requests_per_partition"]],
             "balance_ratio": round(max(tokens) / mean, 4) if mean else 1.0,
-            "waves": sum(p["waves"] for p in plans.values()), "models": plans}
+            "waves": sum(p["waves"] for p in plans)}
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Requests planned together (all of a model's, or a part of an input prepared in parts), their plan, and the
+    inference tasks' context, whose partition numbers follow the run's earlier parts'."""
+
+    valid: DataFrame
+    plan: PartitionPlan
+    ictx: InferContext
+
+
+#: What the waves of an input prepared in parts ask for once the first part's first wave infers: the rest, as
+#: (the run, whose later writes wait for the rest's validation errors; its valid requests; their plan columns).
+Rest = Callable[[], tuple[RunContext, DataFrame, Any]]
 
 
 def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmup] = None,
-                   numbering: Numbering = Numbering(), planned_here: Any = None) -> Inferred:
+                   numbering: Numbering = Numbering(), planned_here: Any = None,
+                   rest: Optional[Rest] = None) -> Inferred:
     """Infer every valid request (rows with ``est_tokens``) of one model (``run.cfg``) and commit the results.
     ``valid`` is read by the planning and by every wave: a filter of a persisted frame.
     ``planned_here``: the plan columns of ``valid``'s rows (:class:`~spark_llm.prepare.LocalRows`), when this
-    process holds them: planned here, without Spark jobs.
+    process holds them: planned here, without Spark jobs. ``rest``: when ``valid`` is the first part of an input
+    prepared in parts (:func:`~spark_llm.prepare.prepare_in_parts`), the rest, asked for once the first wave is
+    submitted and planned after it; no wave is committed before (the run's validation comes with the rest).
 
     Waves are pipelined: wave k+1 is submitted (a Spark job of its own, from a driver thread) while wave k still
     runs, so no engine waits for the slowest partition of a wave; when wave k ends, wave k+2 is submitted and wave
@@ -157,21 +181,29 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     layout = run.layout
     if warmup is not None:
         warmup.wait()
-    run.describe("plan partitions")
     target, aware = plan_settings(run.cfg, layout), run.cfg.prefix_aware_partitions
-    plan = plan_in_process(planned_here, target, prefix_aware=aware) if planned_here is not None else \
-        plan_partitions(valid, target, prefix_aware=aware)
-    ictx = InferContext.of_run(run, numbering.partitions)
-    waves = waves_of(plan.num_partitions, run.cfg.wave_partitions or 2 * layout.tasks, numbering.waves)
-    current = {"wave": f"{numbering.waves}/{waves[-1].of}"}
-    total = sum(plan.requests_per_partition)
+    per_wave = run.cfg.wave_partitions or 2 * layout.tasks
+
+    def planned(run: RunContext, valid: DataFrame, here: Any, before: Numbering) -> tuple[_Part, list[Wave]]:
+        run.describe("plan partitions")
+        plan = plan_in_process(here, target, prefix_aware=aware) if here is not None else \
+            plan_partitions(valid, target, prefix_aware=aware)
+        return (_Part(valid, plan, InferContext.of_run(run, before.partitions)),
+                waves_of(plan.num_partitions, per_wave, before.waves))
+
+    part, waves = planned(run, valid, planned_here, numbering)
+    if rest is not None:  # the run's count of waves comes with the rest
+        waves = [replace(w, of=0) for w in waves]
+    parts, queue, wave_counts = [part], deque((part, w) for w in waves), [len(waves)]
+    current = {"wave": Wave(numbering.waves, waves[-1].of, 0, 0).label}
     committed = Committed()  # by the waves committed so far
     # live from the tasks where the session has accumulators, else as the waves commit (Spark Connect)
     model = run.cfg.served_model_name
     label = run.batch_id if len(run.models) < 2 else f"{run.batch_id} ({model})"  # several models: one line each
     records = lambda: [r for r in (run.metrics.value if run.metrics is not None else committed.records)  # noqa: E731
                        if r.get("model", model) == model]
-    line = lambda: progress_line(label, records(), total, run.started, current["wave"])  # noqa: E731
+    line = lambda: progress_line(label, records(), sum(sum(p.plan.requests_per_partition) for p in parts),  # noqa
+                                 run.started, current["wave"])
     in_flight: deque[_WaveJob] = deque()
     commits: deque[_CommitJob] = deque()
 
@@ -182,16 +214,16 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         run.listener.committed(wave.responses, wave.error_rows)
 
     def commit(job: _WaveJob) -> None:  # in the background, after the one before; a bounded number at a time
-        commits.append(_CommitJob(run, plan, job, commits[-1] if commits else None))
+        commits.append(_CommitJob(run, job, commits[-1] if commits else None))
         while len(commits) > COMMITS_IN_FLIGHT or (commits and not commits[0].thread.is_alive()):
             committed_by(commits.popleft())
 
-    def submit(wave: Wave) -> _WaveJob:
+    def submit(part: _Part, wave: Wave) -> _WaveJob:
         epoch = run.listener.before_wave()
         # the calls of a wave cancelled for a yield left in-flight markers that are no engine deaths: after a yield
         # the partitions keep their journals apart (a real poison request is found again there)
-        journal = f"{ictx.journal}/yield-{epoch}" if epoch and ictx.journal else ictx.journal
-        return _WaveJob(run, valid, plan, wave, replace(ictx, wave=wave.number, journal=journal), epoch)
+        journal = f"{part.ictx.journal}/yield-{epoch}" if epoch and part.ictx.journal else part.ictx.journal
+        return _WaveJob(run, part, wave, replace(part.ictx, wave=wave.number, journal=journal), epoch)
 
     def finished() -> _WaveJob:
         """The oldest wave in flight once it has ended, popped. When the run yielded its slots meanwhile (the
@@ -209,16 +241,35 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
             for i, other in enumerate(in_flight):
                 other.thread.join()
                 if other.error is not None:  # cancelled (a real failure fails again)
-                    in_flight[i] = submit(other.wave)
+                    in_flight[i] = submit(other.part, other.wave)
+
+    def plan_the_rest(ask: Rest) -> None:
+        """The rest of an input prepared in parts, planned after the waves of the first part."""
+        nonlocal run
+        run, valid_rest, here = ask()
+        done = Numbering(numbering.waves + len(waves), numbering.partitions + part.plan.num_partitions)
+        more: list[Wave] = []
+        if here.num_rows:
+            rest_part, more = planned(run, valid_rest, here, done)
+            parts.append(rest_part)
+            wave_counts.append(len(more))
+            queue.extend((rest_part, w) for w in more)
+        total = len(waves) + len(more)
+        for i, (p, w) in enumerate(queue):  # every wave not yet submitted, with the run's count
+            queue[i] = (p, replace(w, of=numbering.waves + total))
 
     try:
         with ProgressReporter(line, run.cfg.progress_interval_seconds):
-            for wave in waves:
+            while queue:
+                part_of_wave, wave = queue.popleft()
                 done = None
                 if len(in_flight) == WAVES_IN_FLIGHT:
                     done = finished()  # its slots are free: the next wave takes them before this one is committed
-                in_flight.append(submit(wave))
+                in_flight.append(submit(part_of_wave, wave))
                 current["wave"] = wave.label
+                if rest is not None:  # the first wave infers while the rest is prepared
+                    plan_the_rest(rest)
+                    rest = None
                 if done is not None:
                     commit(done)
             while in_flight:
@@ -232,23 +283,24 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         for job in [*in_flight, *commits]:
             job.thread.join()
         raise
-    return Inferred({**plan.as_dict(), "waves": len(waves)}, committed)
+    if len(parts) == 1:
+        return Inferred({**part.plan.as_dict(), "waves": len(waves)}, committed)
+    return Inferred(joined_plan([{**p.plan.as_dict(), "waves": n} for p, n in zip(parts, wave_counts)]), committed)
 
 
 class _WaveJob(EngineJob):
     """One wave's inference, a Spark job of its own, its results staged as Parquet."""
 
-    def __init__(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, wave: Wave, ictx: InferContext,
-                 epoch: int = 0):
-        self.wave, self.staging = wave, f"{run.paths.staging}/wave-{wave.number}"
+    def __init__(self, run: RunContext, part: _Part, wave: Wave, ictx: InferContext, epoch: int = 0):
+        self.part, self.wave, self.staging = part, wave, f"{run.paths.staging}/wave-{wave.number}"
         self.epoch = epoch  #: the run's yield count when it was submitted (RunListener.yielded)
-        super().__init__(run.spark, f"spark_llm-wave-{wave.number}", lambda: self._infer(run, valid, plan, ictx))
+        super().__init__(run.spark, f"spark_llm-wave-{wave.number}", lambda: self._infer(run, ictx))
 
-    def _infer(self, run: RunContext, valid: DataFrame, plan: PartitionPlan, ictx: InferContext) -> None:
+    def _infer(self, run: RunContext, ictx: InferContext) -> None:
         run.describe(f"infer wave {self.wave.label}")
         tag = waves_tag(run.batch_id)  # this thread's jobs only, so that cancel_waves leaves the commits alone
         run.spark.addTag(tag) if is_connect(run.spark) else run.spark.sparkContext.addJobTag(tag)
-        requests = materialize(valid, plan, self.wave.first, self.wave.count).select(*INFER_INPUT)
+        requests = materialize(self.part.valid, self.part.plan, self.wave.first, self.wave.count).select(*INFER_INPUT)
         if ictx.place.local_engines:  # a local session: its engines hold every task slot
             with scheduler_pool(run.spark, FIRST_POOL):
                 requests = requests.localCheckpoint(eager=True)  # the shuffle now, not when an engine waits for it
@@ -262,15 +314,14 @@ class _CommitJob(SparkJobInBackground):
     """A finished wave's commit (:func:`_commit`) from a driver thread of its own, after the commit of the wave
     before (``after``; one that failed stops this one), so that committing never holds up the next waves."""
 
-    def __init__(self, run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]):
-        super().__init__(run.spark, f"spark_llm-commit-{job.wave.number}",
-                         lambda: self._run_after(run, plan, job, after))
+    def __init__(self, run: RunContext, job: _WaveJob, after: Optional["_CommitJob"]):
+        super().__init__(run.spark, f"spark_llm-commit-{job.wave.number}", lambda: self._run_after(run, job, after))
 
     @staticmethod
-    def _run_after(run: RunContext, plan: PartitionPlan, job: _WaveJob, after: Optional["_CommitJob"]) -> Committed:
+    def _run_after(run: RunContext, job: _WaveJob, after: Optional["_CommitJob"]) -> Committed:
         if after is not None:
             after.wait()
-        return _commit(run, plan, job)
+        return _commit(run, job.part.plan, job)
 
     def result(self) -> Committed:
         """Wait for the commit; what it committed."""

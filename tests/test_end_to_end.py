@@ -373,3 +373,57 @@ def test_a_small_local_input_is_prepared_in_process_into_the_rows_spark_s_execut
     in_process, on_spark = rows(prepare_in_process(spark, models).rows), rows(prepare_on_spark(spark, models))
     assert len(in_process) == len(shared_run.expected) and in_process == on_spark
     assert {r["error_code"] for r in in_process} >= {None, "duplicate_custom_id", "invalid_json", "invalid_encoding"}
+
+
+def test_a_large_local_input_prepared_in_two_parts_infers_the_first_while_the_rest_is_prepared(
+        spark, tiny_model, tmp_path, monkeypatch):
+    """From prepare.PARTS_BYTES on (lowered here), a local input prepared in the driver's process comes in two parts:
+    the first wave of the first HEAD_LINES lines is submitted before the rest is prepared; the listener hears the
+    whole input's counts before any commit; duplicates are found across the parts; every line ends exactly once;
+    batch.json's plan joins the parts' plans."""
+    import threading
+
+    from conftest import chat_line, write_jsonl
+    from spark_llm import pipeline, prepare
+    from spark_llm.context import RunListener
+
+    monkeypatch.setattr(prepare, "PARTS_BYTES", 0)
+    monkeypatch.setattr(prepare, "HEAD_LINES", 10)
+    lines = [chat_line(f"p{i}", f"Count to {i}.", temperature=0, max_tokens=2) for i in range(30)]
+    lines[4], lines[22] = "not json", chat_line("p1", "a duplicate of line 2, in the second part")
+    source = write_jsonl(tmp_path / "parts.jsonl", lines)
+    wave_submitted, heard = threading.Event(), []
+
+    class Heard(RunListener):
+        def validated(self, total, invalid, answered):
+            heard.append(("validated", total, invalid))
+
+        def committed(self, responses, errors):
+            heard.append(("committed", responses, errors))
+
+        def before_wave(self):
+            wave_submitted.set()
+            return 0
+    rest_waited_for_the_first_wave = []
+    prepare_rest = prepare.PreparingRest._prepare
+
+    def after_the_first_wave(self, chunks):
+        rest_waited_for_the_first_wave.append(wave_submitted.wait(timeout=120))
+        prepare_rest(self, chunks)
+    monkeypatch.setattr(prepare.PreparingRest, "_prepare", after_the_first_wave)
+
+    cfg = BatchConfig(input=str(source), output_dir=str(tmp_path / "out"), batch_id="b-parts",
+                      **engine_settings(tiny_model))
+    result = pipeline.run_batch(spark, cfg, Heard())
+
+    assert rest_waited_for_the_first_wave == [True]
+    assert heard[0] == ("validated", 30, 2) and [h[0] for h in heard[1:]] == ["committed"] * (len(heard) - 1)
+    assert sum(h[1] for h in heard[1:]) == result.completed == 28
+    out = spark.read.format("delta").load(result.outputs_table)
+    err = spark.read.format("delta").load(result.errors_table)
+    assert sorted(r.line_number for r in out.select("line_number").collect() + err.select("line_number").collect()) \
+        == list(range(1, 31))
+    assert {(r.line_number, r.code) for r in err.collect()} == {(5, "invalid_json"), (23, "duplicate_custom_id")}
+    plan = result.batch.partition_plan
+    assert plan["waves"] == 2 and sum(plan["requests_per_partition"]) == 28
+    assert plan["num_partitions"] == len(plan["tokens_per_partition"]) == len(plan["requests_per_partition"]) > 1
