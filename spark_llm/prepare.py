@@ -206,15 +206,20 @@ def prepare_in_parts(spark: SparkSession, models: Sequence[BatchConfig]) -> tupl
     it does. Duplicates of a ``custom_id`` are found across both parts, as in one."""
     import itertools
 
+    import pyarrow as pa
+
+    def rows_of(chunk: Any, start: int, stop: int) -> Any:  # copies: Spark does not take every slice of an array
+        return chunk.take(pa.array(range(start, stop), pa.int64()))
+
     chunks = _arrow_chunks(models)
     head: list = []
     rows = 0
     for chunk in chunks:
         take = min(chunk.num_rows, HEAD_LINES - rows)
-        head.append(chunk.take(list(range(take))))  # copies: Spark does not take every slice of an Arrow array
+        head.append(rows_of(chunk, 0, take))
         rows += take
         if rows >= HEAD_LINES:
-            chunks = itertools.chain([chunk.take(list(range(take, chunk.num_rows)))], chunks)
+            chunks = itertools.chain([rows_of(chunk, take, chunk.num_rows)], chunks)
             break
     return _handed_to_spark(spark, head), PreparingRest(chunks)
 

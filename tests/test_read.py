@@ -136,3 +136,25 @@ def test_an_input_is_prepared_in_the_driver_s_process_while_that_is_sooner_than_
     assert prepares_here(14 * mb, 32) and not prepares_here(15 * mb, 32)  # 14.7 MB: towards f r (14.25 MB)
     assert prepares_here(LOCAL_PREPARE_BYTES, 1) and not prepares_here(LOCAL_PREPARE_BYTES + 1, 1)
     assert prepares_here(0, 64)
+
+
+def test_an_input_prepared_in_parts_is_cut_after_its_first_head_lines_lines_wherever_its_chunks_end(monkeypatch):
+    """prepare_in_parts: the first part is exactly the first HEAD_LINES rows (a chunk cut where it must, or all of
+    them when there are fewer), the rest every later row in order, each row once."""
+    import pyarrow as pa
+
+    from spark_llm import prepare
+
+    def chunk(start, n):
+        return pa.table({"line_number": pa.array(range(start, start + n), pa.int64()),
+                         "error_code": pa.array([None] * n, pa.string())})
+    monkeypatch.setattr(prepare, "_handed_to_spark",
+                        lambda spark, chunks: [n for c in chunks for n in c["line_number"].to_pylist()])
+    for head_lines, sizes in [(4, [4, 4, 2]), (5, [4, 4, 2]), (3, [4, 4, 2]), (20, [4, 4, 2]), (4, [])]:
+        monkeypatch.setattr(prepare, "HEAD_LINES", head_lines)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        monkeypatch.setattr(prepare, "_arrow_chunks", lambda models: iter([chunk(s, n) for s, n in zip(starts, sizes)]))
+        head, rest = prepare.prepare_in_parts(None, [])
+        total = sum(sizes)
+        assert head == list(range(min(head_lines, total))), (head_lines, sizes)
+        assert rest.wait(None) == list(range(min(head_lines, total), total)), (head_lines, sizes)
