@@ -7,7 +7,8 @@ per-line ids the result tables are keyed by. Rows that fail anywhere carry ``err
 On Spark's executors, or, for a JSONL input on this machine in a local session small enough (:func:`prepares_here`),
 in the driver's own process with the same functions over pandas, a chunk of lines at a time, the rows then handed
 to Spark as one Arrow table (their counts and partition plan made here too, :class:`LocalRows`): a few Python
-workers starting cold and the JVM's first jobs cost a small batch more than its work does.
+workers starting cold and the JVM's first jobs cost a small batch more than its work does. A larger one of those
+comes in two parts (:func:`prepare_in_parts`): its first lines infer while a driver thread prepares the rest.
 """
 
 from __future__ import annotations
