@@ -128,16 +128,17 @@ def _write_rows_in_parts(run: RunContext, warmup: Optional[EngineWarmup], head: 
     background, and the rest is planned, all before any wave is committed."""
     held = [head.rows.persist(StorageLevel.MEMORY_AND_DISK)]
     in_progress_at = int(time.time())
-    whole = {"run": run, "counts": head.local.outcomes()}
+    counts, writing = head.local.outcomes(), run  # the whole input's, once the rest is in; the run writing errors
 
     def the_rest() -> tuple[RunContext, DataFrame, Any]:
+        nonlocal counts, writing
         ready = rest.wait(run.spark)
         held.append(ready.rows.persist(StorageLevel.MEMORY_AND_DISK))
-        counts = whole["counts"] = whole["counts"] + ready.local.outcomes()
+        counts += ready.local.outcomes()
         run.listener.validated(counts.rows, counts.errors, 0)
         if counts.errors:  # committed while the requests infer
-            whole["run"] = write.insert_errors_meanwhile(run, write.error_rows(held[0].unionByName(held[1]), run))
-        return whole["run"], _valid(held[1]), ready.local.valid()
+            writing = write.insert_errors_meanwhile(run, write.error_rows(held[0].unionByName(held[1]), run))
+        return writing, _valid(held[1]), ready.local.valid()
 
     try:
         inferred = Inferred()
@@ -147,11 +148,10 @@ def _write_rows_in_parts(run: RunContext, warmup: Optional[EngineWarmup], head: 
             run_now, valid, here = the_rest()
             if here.num_rows:
                 inferred = infer_in_waves(run_now, valid, warmup, planned_here=here)
-        write.wait_for_writes(whole["run"])  # they read the prepared rows: done before those are released
+        write.wait_for_writes(writing)  # they read the prepared rows: done before those are released
     finally:
         for rows in held:
             rows.unpersist()
-    counts = whole["counts"]
     return Outcome(plan=inferred.plan, skipped=0, in_progress_at=in_progress_at,
                    records=inferred.committed.records, error_rows=counts.errors + inferred.committed.error_rows)
 

@@ -126,20 +126,26 @@ def prepares_here(input_bytes: int, task_threads: int) -> bool:
 def prepares_in_process(spark: SparkSession, cfg: BatchConfig) -> bool:
     """The run's input is prepared in this process (:func:`prepare_in_process`): a classic local session (its
     executor is this machine) and JSONL files on this machine that :func:`prepares_here` says are sooner done here."""
+    return _bytes_prepared_in_process(spark, cfg) is not None
+
+
+def _bytes_prepared_in_process(spark: SparkSession, cfg: BatchConfig) -> Optional[int]:
+    """The size of the run's input when it is prepared in this process (:func:`prepares_in_process`), else None."""
     from .session import is_connect, is_local_master, local_task_threads, spark_conf
 
     conf = spark_conf(spark)
     if cfg.input_table or is_connect(spark) or not is_local_master(conf):
-        return False
-    return _prepared_here(cfg, local_task_threads(conf) or 1)
+        return None
+    return _bytes_prepared_here(cfg, local_task_threads(conf) or 1)
 
 
-def _prepared_here(cfg: BatchConfig, task_threads: int) -> bool:
-    """The input is JSONL files on this machine that :func:`prepares_here` prepares in this process."""
+def _bytes_prepared_here(cfg: BatchConfig, task_threads: int) -> Optional[int]:
+    """The size of the input when it is JSONL files on this machine that :func:`prepares_here` prepares in this
+    process, else None."""
     from .read import local_input_bytes
 
     size = local_input_bytes(cfg)
-    return size is not None and prepares_here(size, task_threads)
+    return size if size is not None and prepares_here(size, task_threads) else None
 
 
 def preload_tokenizers(config: BatchConfig, task_threads: int) -> bool:
@@ -154,7 +160,7 @@ def preload_tokenizers(config: BatchConfig, task_threads: int) -> bool:
     from .models import resolve, resolve_models
     from .tokenizers import get_tokenizer
 
-    if not _prepared_here(config, task_threads):
+    if _bytes_prepared_here(config, task_threads) is None:
         return False
     try:
         paths = list(dict.fromkeys(m.tokenizer for m in resolve_models(resolve(config))))
@@ -193,11 +199,7 @@ def prepares_in_parts(input_bytes: int) -> bool:
 def prepares_in_parts_here(spark: SparkSession, cfg: BatchConfig) -> bool:
     """The run's input is prepared in this process (:func:`prepares_in_process`), in two parts
     (:func:`prepares_in_parts`)."""
-    from .read import local_input_bytes
-
-    if not prepares_in_process(spark, cfg):
-        return False
-    size = local_input_bytes(cfg)
+    size = _bytes_prepared_in_process(spark, cfg)
     return size is not None and prepares_in_parts(size)
 
 

@@ -157,6 +157,7 @@ class _Part:
     valid: DataFrame
     plan: PartitionPlan
     ictx: InferContext
+    waves: int
 
 
 #: What the waves of an input prepared in parts ask for once the first part's first wave infers: the rest, as
@@ -188,13 +189,13 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         run.describe("plan partitions")
         plan = plan_in_process(here, target, prefix_aware=aware) if here is not None else \
             plan_partitions(valid, target, prefix_aware=aware)
-        return (_Part(valid, plan, InferContext.of_run(run, before.partitions)),
-                waves_of(plan.num_partitions, per_wave, before.waves))
+        waves = waves_of(plan.num_partitions, per_wave, before.waves)
+        return _Part(valid, plan, InferContext.of_run(run, before.partitions), len(waves)), waves
 
     part, waves = planned(run, valid, planned_here, numbering)
     if rest is not None:  # the run's count of waves comes with the rest
         waves = [replace(w, of=0) for w in waves]
-    parts, queue, wave_counts = [part], deque((part, w) for w in waves), [len(waves)]
+    parts, queue = [part], deque((part, w) for w in waves)
     current = {"wave": Wave(numbering.waves, waves[-1].of, 0, 0).label}
     committed = Committed()  # by the waves committed so far
     # live from the tasks where the session has accumulators, else as the waves commit (Spark Connect)
@@ -252,7 +253,6 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         if here.num_rows:
             rest_part, more = planned(run, valid_rest, here, done)
             parts.append(rest_part)
-            wave_counts.append(len(more))
             queue.extend((rest_part, w) for w in more)
         total = len(waves) + len(more)
         for i, (p, w) in enumerate(queue):  # every wave not yet submitted, with the run's count
@@ -283,9 +283,7 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
         for job in [*in_flight, *commits]:
             job.thread.join()
         raise
-    if len(parts) == 1:
-        return Inferred({**part.plan.as_dict(), "waves": len(waves)}, committed)
-    return Inferred(joined_plan([{**p.plan.as_dict(), "waves": n} for p, n in zip(parts, wave_counts)]), committed)
+    return Inferred(joined_plan([{**p.plan.as_dict(), "waves": p.waves} for p in parts]), committed)
 
 
 class _WaveJob(EngineJob):
