@@ -79,14 +79,15 @@ def flag(field: str) -> str:
     return extra.get("flag") or "--" + field.replace("_", "-")  # type: ignore[union-attr]
 
 
-#: What py4j logs, as an ERROR with a traceback on the root logger, when Ctrl-C or SIGTERM lands while the main
-#: thread is inside a call into the JVM: the interrupt is the command's own way to cancel (the run then says it was
-#: cancelled, once), not an error.
-PY4J_INTERRUPTED = "KeyboardInterrupt while sending command."
+#: What py4j logs, as ERRORs with tracebacks, when Ctrl-C or SIGTERM lands while the main thread is inside a call
+#: into the JVM: the interrupt itself, and a failed cleanup of that call's socket when the JVM's end has closed
+#: first. The interrupt is the command's own way to cancel (the run then says it was cancelled, once), not an error.
+PY4J_INTERRUPTED = frozenset({"KeyboardInterrupt while sending command.",
+                              "Exception occurred while shutting down connection"})
 
 
 def _not_an_interrupted_call(record: logging.LogRecord) -> bool:
-    return record.msg != PY4J_INTERRUPTED
+    return record.msg not in PY4J_INTERRUPTED
 
 
 def configure_logging(level: str) -> None:

@@ -121,22 +121,31 @@ def test_cli_reports_missing_settings_without_traceback():
 
 def test_the_console_drops_py4j_s_report_of_a_call_the_command_interrupted_and_nothing_else():
     """Ctrl-C or SIGTERM landing inside a call into the JVM: py4j's own handler logs it as an ERROR with a
-    traceback; the command cancels that way on purpose (and says so once), so its console leaves that record out."""
+    traceback, and another when the JVM's end of that call has closed before py4j's cleanup writes to it; the
+    command cancels that way on purpose (and says so once), so its console leaves those records out. Through the
+    connection class PySpark uses (py4j's ClientServer)."""
     code = ("import logging, signal, socket\n"
-            "from py4j.java_gateway import GatewayClient, GatewayParameters\n"
+            "from py4j.clientserver import JavaClient, JavaParameters, PythonParameters\n"
+            "from py4j.java_gateway import GatewayProperty\n"
             "from spark_llm.flags import configure_logging\n"
             "configure_logging('INFO')\n"
-            "jvm = socket.create_server(('127.0.0.1', 0))  # accepts, never answers: the call waits in py4j\n"
-            "def interrupt(signum, frame):\n    raise KeyboardInterrupt\n"
+            "jvm = socket.create_server(('127.0.0.1', 0))  # takes the call, never answers: it waits in py4j\n"
+            "client = JavaClient(JavaParameters(port=jvm.getsockname()[1]), PythonParameters(),\n"
+            "                    gateway_property=GatewayProperty(False, None))\n"
+            "def interrupt(signum, frame):\n"
+            "    end, _ = jvm.accept()  # the JVM's end closes as the interrupt lands\n"
+            "    end.recv(64)\n"
+            "    end.close()\n"
+            "    raise KeyboardInterrupt\n"
             "signal.signal(signal.SIGALRM, interrupt)\n"
             "signal.setitimer(signal.ITIMER_REAL, 0.3)\n"
             "try:\n"
-            "    GatewayClient(gateway_parameters=GatewayParameters(port=jvm.getsockname()[1])).send_command('c\\n')\n"
+            "    client.send_command('c\\n')\n"
             "except BaseException as exc:\n"
             "    print(type(exc).__name__)\n"
             "logging.getLogger('py4j').error('a real py4j error')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip(), proc.stderr  # py4j's handler ran (and ended the call)
+    assert proc.stdout.strip() == "KeyboardInterrupt", proc.stderr  # py4j's handler and its cleanup ran
     assert "KeyboardInterrupt while sending command" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "ERROR py4j: a real py4j error" in proc.stderr
 
