@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional, Sequence
 
 from pyspark.sql import SparkSession
 
@@ -117,17 +117,19 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
     only_delta = not {"spark.jars", "spark.jars.packages"} & set(settings)  # no jars of the caller's own
     s3a = local  # a cluster's Hadoop brings its own S3A connector, of its own version
     recorded = recorded_delta_jars(s3a) if only_delta else None
-    if recorded:
+    class_path = jar_paths(recorded) if recorded and local else []  # see _jars_after_spark_s
+    if recorded and not local:
         settings["spark.jars"] = recorded
     if local:
-        settings["spark.driver.extraJavaOptions"] = local_java_options(settings)
+        settings["spark.driver.extraJavaOptions"] = local_java_options(settings, class_path)
     for key, value in settings.items():
         builder = builder.config(key, value)
     with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
         warnings.simplefilter("ignore", UserWarning)
         packages = [p for p in settings.get("spark.jars.packages", "").split(",") if p]
         packages += [s3a_package()] if s3a and not any(":hadoop-aws:" in p for p in packages) else []
-        with _naming_local_executor(remote or settings.get("spark.master") or master or "local[2]") as named:
+        with _naming_local_executor(remote or settings.get("spark.master") or master or "local[2]") as named, \
+                _jars_after_spark_s(class_path):
             spark = (builder if recorded else configure_spark_with_delta_pip(builder, packages)).getOrCreate()
         if named and not remote:
             _NAMED_EXECUTORS[spark.sparkContext.applicationId] = named
@@ -184,6 +186,34 @@ def _naming_local_executor(master: str) -> Iterator[Optional[int]]:
             os.environ[LOCAL_EXECUTOR_ENV] = previous
 
 
+#: The launcher's variable for jars on the JVM's class path after Spark's own (``bin/spark-class``).
+DIST_CLASSPATH_ENV = "SPARK_DIST_CLASSPATH"
+
+
+@contextlib.contextmanager
+def _jars_after_spark_s(jars: Sequence[str]) -> Iterator[None]:
+    """While a local session's JVM is launched from this process: its recorded jars on that JVM's class path after
+    Spark's own (:data:`DIST_CLASSPATH_ENV`), then the variable restored. Its executor is that JVM, so they need not
+    be ``spark.jars``, which Spark copies into every session's temporary directory on every start (some 740 MB with
+    S3A's AWS SDK bundle) and leaves there when the driver is killed. After Spark's own, not before them
+    (``spark.driver.extraClassPath``): Spark's versions of what both have win, as in the loader of ``spark.jars``
+    (Delta brings an older Jackson than Spark's, which Spark's Scala module refuses)."""
+    from pyspark import SparkContext
+
+    if not jars or SparkContext._gateway is not None:
+        yield
+        return
+    previous = os.environ.get(DIST_CLASSPATH_ENV)
+    os.environ[DIST_CLASSPATH_ENV] = os.pathsep.join([*([previous] if previous else []), *jars])
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(DIST_CLASSPATH_ENV, None)
+        else:
+            os.environ[DIST_CLASSPATH_ENV] = previous
+
+
 def local_executor(spark: SparkSession) -> int:
     """The executor of a classic local session as its engines are named: this process, when it started the session
     with its engines named so (:func:`_naming_local_executor`), else the session's JVM."""
@@ -220,28 +250,29 @@ def s3a_package() -> str:
     return f"org.apache.hadoop:hadoop-aws:{hadoop_version()}"
 
 
-def local_java_options(settings: Mapping[str, str]) -> str:
+def local_java_options(settings: Mapping[str, str], class_path: Sequence[str] = ()) -> str:
     """The driver JVM options of a local session spark_llm starts: :data:`LOCAL_JAVA_OPTIONS`, the serial collector
     (:data:`LOCAL_GC_OPTION`) unless the settings' own options choose a collector, the class archive's, then the
     settings' own (``spark.driver.extraJavaOptions``: later options win)."""
     own = settings.get("spark.driver.extraJavaOptions", "")
     gc = [] if re.search(r"-XX:\+Use\w+GC\b", own) else [LOCAL_GC_OPTION]
-    return " ".join([LOCAL_JAVA_OPTIONS, *gc, *_class_data_sharing(settings), *([own] if own else [])])
+    return " ".join([LOCAL_JAVA_OPTIONS, *gc, *_class_data_sharing(settings, class_path), *([own] if own else [])])
 
 
-def _class_data_sharing(settings: Mapping[str, str]) -> list[str]:
+def _class_data_sharing(settings: Mapping[str, str], class_path: Sequence[str] = ()) -> list[str]:
     """JVM options for a class-data-sharing archive of a local session's classes (Spark's, Delta's: some 30,000,
     which a fresh JVM otherwise reads, inflates and verifies from their jars, the largest part of its start). The
     first session dumps the classes it loaded when its JVM exits (``-XX:ArchiveClassesAtExit``, a file named for
     its process); the next one publishes a finished dump and maps it (``-XX:SharedArchiveFile``). The archive is
-    keyed by Java, Spark and the jars; a JVM that finds it does not match its class path ignores it."""
+    keyed by Java, Spark and the jars (``class_path``: those after Spark's own); a JVM that finds it does not match
+    its class path ignores it."""
     import pyspark
 
     java = os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else \
         shutil.which("java") or "java"
     key = hashlib.sha256(repr((os.path.realpath(java), pyspark.__version__, os.path.dirname(pyspark.__file__),
                                settings.get("spark.jars", ""), settings.get("spark.jars.packages", ""),
-                               settings.get("spark.driver.extraClassPath", ""))).encode()).hexdigest()[:16]
+                               settings.get("spark.driver.extraClassPath", ""), *class_path)).encode()).hexdigest()[:16]
     cache = _cache()
     archive = _class_archive(cache, key)
     quiet = "-Xlog:cds=off -Xlog:cds+dynamic=off"
@@ -308,8 +339,12 @@ def recorded_delta_jars(s3a: bool = False) -> Optional[str]:
         jars = _delta_jars_record(s3a).read_text().strip()
     except OSError:
         return None
-    paths = [j[len("file:"):].lstrip("/") for j in jars.split(",")]
-    return jars if jars and all(os.path.isfile("/" + p) for p in paths) else None
+    return jars if jars and all(os.path.isfile(path) for path in jar_paths(jars)) else None
+
+
+def jar_paths(jars: str) -> list[str]:
+    """The files of a ``spark.jars`` list (comma-separated paths or ``file:`` URLs)."""
+    return ["/" + jar[len("file:"):].lstrip("/") if jar.startswith("file:") else jar for jar in jars.split(",") if jar]
 
 
 def _record_delta_jars(jars: str, s3a: bool = False) -> None:

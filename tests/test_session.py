@@ -72,6 +72,31 @@ def test_the_recorded_delta_jars_are_used_only_while_every_one_is_on_disk(tmp_pa
     assert session.recorded_delta_jars() is None
 
 
+def test_a_local_session_s_recorded_jars_are_on_its_jvm_s_class_path_only_while_it_is_launched(tmp_path, monkeypatch):
+    """After Spark's own jars (the launcher's SPARK_DIST_CLASSPATH, after anything already there), set only while
+    the JVM starts; the class archive is another one for another class path."""
+    from pyspark import SparkContext
+
+    dist = session.DIST_CLASSPATH_ENV
+    jars = session.jar_paths("file:///j/delta.jar,file:/j/aws.jar,/j/plain.jar")
+    assert jars == ["/j/delta.jar", "/j/aws.jar", "/j/plain.jar"]
+    monkeypatch.setattr(SparkContext, "_gateway", None)
+    monkeypatch.setenv(dist, "/opt/hadoop/lib/*")
+    with session._jars_after_spark_s(jars):
+        assert os.environ[dist] == os.pathsep.join(["/opt/hadoop/lib/*", *jars])
+    assert os.environ[dist] == "/opt/hadoop/lib/*"
+    monkeypatch.delenv(dist)
+    with session._jars_after_spark_s(jars):
+        assert os.environ[dist] == os.pathsep.join(jars)
+    assert dist not in os.environ
+    monkeypatch.setattr(SparkContext, "_gateway", object())  # this process's JVM runs already: its class path is set
+    with session._jars_after_spark_s(jars):
+        assert dist not in os.environ
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert session._class_data_sharing({}) != session._class_data_sharing({}, jars)
+
+
 def test_a_local_session_runs_a_block_s_jobs_in_its_fair_pool_and_restores_the_thread_s_pool(spark):
     sc = spark.sparkContext
     assert sc.getConf().get("spark.scheduler.mode") == "FAIR"

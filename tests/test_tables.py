@@ -191,7 +191,7 @@ def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tin
     staging, files; the resumed run answers each line once. The dying run's session takes its S3A settings from the
     config's spark: section, as a user's does: its secret key is in none of the objects either run wrote, no line
     the dying one logged, and not on its Spark UI's environment page (read while the run is held before reading
-    its input)."""
+    its input), and has Delta's and S3A's jars on its JVM's class path, none copied into its temporary directory."""
     import time
     import urllib.request
 
@@ -242,6 +242,11 @@ def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tin
     assert '"spark.hadoop.fs.s3a.secret.key", "*********(redacted)"' in environment  # Spark's redaction.regex
     assert "Spark Properties" in page
     assert secret not in environment and secret not in page and secret not in log
+    # a local session with the jars an earlier one resolved has them on its JVM's class path, none copied for it
+    classpath = json.loads(environment)["classpathEntries"]
+    assert not [path for path, source in classpath if source != "System Classpath"], classpath
+    for jar in ("delta-spark", "hadoop-aws", "awssdk_bundle"):
+        assert [path for path, _ in classpath if jar in path.rsplit("/", 1)[-1]], (jar, classpath)
     assert proc.returncode == 137, log[-3000:]
     assert "fault injection: driver exits after wave 1" in log
     waves = re.search(r"wave 1/(\d+) committed", log)
