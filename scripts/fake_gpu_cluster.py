@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     engines.mkdir(exist_ok=True)
     os.environ[ENGINE_DIR_ENV] = str(engines)
     os.environ.setdefault("SPARK_HOME", os.path.dirname(pyspark.__file__))  # local-cluster launches executors
+    # whose Python workers run this interpreter (PySpark reads it from the driver's environment, not its settings)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     script = discovery_script(out, args.gpus)
     write_requests(out / "in.jsonl", args.requests, Path(args.model).name)
     conf = {
