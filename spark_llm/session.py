@@ -175,15 +175,8 @@ def _naming_local_executor(master: str) -> Iterator[Optional[int]]:
     if not is_local_master({"spark.master": master}) or SparkContext._gateway is not None:
         yield None
         return
-    previous = os.environ.get(LOCAL_EXECUTOR_ENV)
-    os.environ[LOCAL_EXECUTOR_ENV] = str(os.getpid())
-    try:
+    with _set_while_launching(LOCAL_EXECUTOR_ENV, str(os.getpid())):
         yield os.getpid()
-    finally:
-        if previous is None:
-            os.environ.pop(LOCAL_EXECUTOR_ENV, None)
-        else:
-            os.environ[LOCAL_EXECUTOR_ENV] = previous
 
 
 #: The launcher's variable for jars on the JVM's class path after Spark's own (``bin/spark-class``).
@@ -204,14 +197,23 @@ def _jars_after_spark_s(jars: Sequence[str]) -> Iterator[None]:
         yield
         return
     previous = os.environ.get(DIST_CLASSPATH_ENV)
-    os.environ[DIST_CLASSPATH_ENV] = os.pathsep.join([*([previous] if previous else []), *jars])
+    with _set_while_launching(DIST_CLASSPATH_ENV, os.pathsep.join([*([previous] if previous else []), *jars])):
+        yield
+
+
+@contextlib.contextmanager
+def _set_while_launching(name: str, value: str) -> Iterator[None]:
+    """``name`` set to ``value`` in this process's environment for the block (a JVM's launch, which inherits it),
+    then as it was: no process this one starts later, nor the user's own code, sees it."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop(DIST_CLASSPATH_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[DIST_CLASSPATH_ENV] = previous
+            os.environ[name] = previous
 
 
 def local_executor(spark: SparkSession) -> int:
