@@ -337,7 +337,7 @@ def _commit(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> Committed:
 def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> Committed:
     wave = job.wave
     run.describe(f"commit wave {wave.label}")
-    staged = run.spark.read.parquet(job.staging)
+    staged = run.spark.read.schema(RESULT_SCHEMA).parquet(job.staging)  # as written: no job to infer it
     faults.before_commit(staged)
     planned = sum(plan.requests_per_partition[wave.first:wave.first + wave.count])
     got, records = _staged_outcomes(staged)
