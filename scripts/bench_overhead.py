@@ -8,7 +8,8 @@ JSONL writes, report; the engine's load timed, the session's start not). Each ru
 then (b), ``--repeat`` times: machines drift, so the ratio is the median of the pairs' ratios. The first pair's job
 meets the model for the first time on this host (its tokenizer class not yet recorded), the later ones as every
 later batch of that model does. Prints each pair, median wall times, tokens/s, the job's engine ``busy_fraction=``
-(engine time / (engine slots x inference wall)); the last line is ``overhead_ratio=<job/raw>``.
+(engine time / (engine slots x inference wall)), when the job's first engine call came and how long it took after
+its last answer (medians); the last line is ``overhead_ratio=<job/raw>``.
 
     python scripts/bench_overhead.py --requests 5000                       # CPU, tiny model built on the fly
     python scripts/bench_overhead.py --requests 20000 --repeat 5           # five alternating pairs
@@ -121,7 +122,9 @@ def main(argv=None) -> int:
         pairs.append(runs)
         raw, job = runs["raw"], runs["job"]
         print(f"pair {n + 1}: raw {raw['seconds']:.1f} s, job {job['seconds']:.1f} s, "
-              f"ratio {job['seconds'] / raw['seconds']:.3f}, busy_fraction {job['busy_fraction']}", flush=True)
+              f"ratio {job['seconds'] / raw['seconds']:.3f}, busy_fraction {job['busy_fraction']}; the job's first "
+              f"engine call at {job['first_call']:.1f} s, its end {job['after_last']:.1f} s after the last answer",
+              flush=True)
 
     raw_s = statistics.median(r["raw"]["seconds"] for r in pairs)
     job_s = statistics.median(r["job"]["seconds"] for r in pairs)
@@ -134,6 +137,10 @@ def main(argv=None) -> int:
           f"{pairs[-1]['job']['tokens']:>10}{pairs[-1]['job']['tokens'] / job_s:>10.0f}")
     print(f"completed={pairs[-1]['job']['completed']} failed={pairs[-1]['job']['failed']}")
     print(f"busy_fraction={statistics.median(r['job']['busy_fraction'] or 0 for r in pairs):.4f}")
+    # the job's time outside the engine's work: its start (the engine's import and load among it, which the raw
+    # run does not time) and its tail (the last commit, the OpenAI files, the report)
+    print(f"job_first_call_seconds={statistics.median(r['job']['first_call'] for r in pairs):.1f} "
+          f"job_tail_seconds={statistics.median(r['job']['after_last'] for r in pairs):.1f}")
     print(f"overhead_ratio={statistics.median(r['job']['seconds'] / r['raw']['seconds'] for r in pairs):.3f}")
     return 0
 
@@ -172,7 +179,9 @@ def raw_run(args, work: Path) -> tuple[float, int, dict]:
 
 def job_run(args, work: Path) -> tuple[float, int, dict]:
     """(b) the whole job on a local session started before the clock starts (its engine's load is timed)."""
-    from spark_llm import BatchConfig, run_batch
+    from pyspark.sql import functions as F
+
+    from spark_llm import BatchConfig, run_batch, storage
     from spark_llm.session import get_session
 
     # PySpark sets OMP_NUM_THREADS=spark.task.cpus (1) in its Python workers; give the job's engines the threads
@@ -186,13 +195,16 @@ def job_run(args, work: Path) -> tuple[float, int, dict]:
                       enforce_eager=args.enforce_eager, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                       num_task_slots=args.slots, engine_kwargs={k: v for k, v in engine.items()
                                                                 if k == "load_format"}, batch_id="bench")
-    t0 = time.monotonic()
+    t0, began = time.monotonic(), time.time()
     result = run_batch(spark, cfg)
     job_s = time.monotonic() - t0
+    calls = (storage.read_table(spark, result.paths.metrics_table)  # a row per partition
+             .agg(F.min("engine_started_at").alias("first"), F.max("engine_finished_at").alias("last")).first())
     spark.stop()
     return job_s, result.input_tokens + result.output_tokens, {
         "busy_fraction": (result.batch.partition_plan or {}).get("busy_fraction"), "completed": result.completed,
-        "failed": result.failed}
+        "failed": result.failed, "first_call": calls["first"].timestamp() - began,
+        "after_last": job_s - (calls["last"].timestamp() - began)}
 
 
 if __name__ == "__main__":
