@@ -13,6 +13,7 @@ its last answer (medians); the last line is ``overhead_ratio=<job/raw>``.
 
     python scripts/bench_overhead.py --requests 5000                       # CPU, tiny model built on the fly
     python scripts/bench_overhead.py --requests 20000 --repeat 5           # five alternating pairs
+    python scripts/bench_overhead.py --requests 20000 --dtype float32 --repeat 3   # a CPU with AVX2 only
     python scripts/bench_overhead.py --model /models/llama-3.1-8b --dtype bfloat16 --max-num-seqs 256 --slots 1
     python scripts/bench_overhead.py --dummy-weights --arch llama-8b       # GPU, 8B-shaped model, no download
 """
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
     raw_s = statistics.median(r["raw"]["seconds"] for r in pairs)
     job_s = statistics.median(r["job"]["seconds"] for r in pairs)
     tokens = pairs[-1]["raw"]["tokens"]
-    print(f"requests={args.requests} max_tokens={args.max_tokens} model={name} pairs={args.repeat} "
+    print(f"requests={args.requests} max_tokens={args.max_tokens} model={name} dtype={args.dtype} "
+          f"cpu={cpu_vector_extension()} pairs={args.repeat} "
           f"engine_load_seconds={pairs[-1]['raw']['load_seconds']:.1f}")
     print(f"{'run (median)':<34}{'seconds':>9}{'tokens':>10}{'tokens/s':>10}")
     print(f"{'raw vLLM generate (1 engine)':<34}{raw_s:>9.1f}{tokens:>10}{tokens / raw_s:>10.0f}")
@@ -143,6 +145,17 @@ def main(argv=None) -> int:
           f"job_tail_seconds={statistics.median(r['job']['after_last'] for r in pairs):.1f}")
     print(f"overhead_ratio={statistics.median(r['job']['seconds'] / r['raw']['seconds'] for r in pairs):.3f}")
     return 0
+
+
+def cpu_vector_extension() -> str:
+    """The widest vector extension of this host's CPU (Linux), printed beside the ratio: vLLM's CPU speed in each
+    dtype depends on it (with AVX2 alone bfloat16 runs about 5x slower than float32), and so does the ratio."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return "unknown"
+    return next((flag for flag in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if flag in flags), "other")
 
 
 def engine_args(args) -> dict:
