@@ -29,7 +29,7 @@ from .engine_host import (EngineClient, EngineDied, EngineGone, EngineRequest, E
                           ProcessSettings, RequestFailure, TaskPlace, engine_for)
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .engine_host.placement import task_gpus
-from .engine_host.protocol import AudioClip
+from .engine_host.protocol import AudioClip, EngineFaulted
 from .errors import ErrorCode, RequestError, truncate
 from .filesystems import S3Access, s3_access
 from .media import AUDIO, MediaPolicy, label, read_media
@@ -176,6 +176,7 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
     results: list = [None] * len(requests)
     done: set[str] = {r for i, r in enumerate(ids) if i not in by_row}  # answered before (an unreadable image)
     gone = 0  # engines found gone before a call: not deaths
+    faulted = False  # an engine failed every request alike under this task (EngineFaulted)
     while True:
         plan = isolation_plan([r for r in ids if r not in done], deaths)
         if plan.isolating:
@@ -212,6 +213,15 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
             if gone > 4 * MAX_ENGINE_REBUILDS:
                 raise
             log.info("partition: %s; starting or finding the slot's next engine", str(exc).splitlines()[0])
+            engine.rebuild(died=False)
+            continue
+        except EngineFaulted as exc:  # no request is to blame: the call runs again on a new engine, once
+            if marker is not None:
+                journal.clear(marker)
+            if faulted:
+                raise engine.failed_for_run(f"{exc}, also after the engine was rebuilt") from None
+            faulted = True
+            log.warning("partition: %s; rebuilding the engine", str(exc).splitlines()[0])
             engine.rebuild(died=False)
             continue
         except EngineDied as exc:

@@ -10,10 +10,11 @@ import pytest
 
 from conftest import eventually
 from spark_llm.config import BatchConfig, ConfigError
-from spark_llm.engine_host import EngineSpec, TaskPlace
-from spark_llm.engine_host.isolation import generate_isolating
+from spark_llm.engine_host import EngineSpec, ProcessSettings, TaskPlace
+from spark_llm.engine_host.isolation import EngineFault, generate_isolating, probe_indices
 from spark_llm.engine_host.placement import LocalMaster, check_gpu_settings, inference_profile, select_gpus
 from spark_llm.engine_host.protocol import SlotRecord
+from spark_llm.engine_host.spec import whole_prefills
 from spark_llm.errors import EngineStartError
 
 
@@ -338,6 +339,66 @@ def test_generate_isolating_reraises_fatal_errors():
         generate_isolating(generate, ["a", "b"], [None, None], is_fatal=lambda e: isinstance(e, Dead))
 
 
+def test_a_failed_call_s_probes_are_spread_over_it_and_a_small_call_has_none():
+    assert probe_indices(10) == [0, 3, 6, 9]
+    assert probe_indices(4) == [0, 1, 2, 3]
+    assert probe_indices(3) == [] and probe_indices(1) == []
+
+
+def test_a_failure_every_probe_meets_alone_is_the_engine_s_found_in_a_few_calls():
+    calls = []
+
+    def generate(prompts, params):
+        calls.append(len(prompts))
+        raise RuntimeError("CPU Generator does not use offset")
+
+    with pytest.raises(EngineFault) as caught:
+        generate_isolating(generate, [f"p{i}" for i in range(128)], [None] * 128)
+    assert calls == [128, 1, 1, 1, 1]  # not 255 calls bisecting down to each request
+    assert caught.value.signature == "RuntimeError: CPU Generator does not use offset"
+    assert "enable_chunked_prefill" in str(caught.value)  # what to change
+
+
+def test_probes_that_pass_keep_their_answers_and_the_rest_is_bisected_to_the_request_at_fault():
+    calls = []
+
+    def generate(prompts, params):
+        calls.append(list(prompts))
+        if "bad" in prompts:
+            raise ValueError("rejected")
+        return [p.upper() for p in prompts]
+
+    prompts = [f"p{i}" for i in range(10)]
+    prompts[0] = "bad"  # a probe itself is at fault: the others pass, so the request is to blame, not the engine
+    out = generate_isolating(generate, prompts, [None] * 10)
+    assert isinstance(out[0], ValueError)
+    assert out[1:] == [p.upper() for p in prompts[1:]]
+    assert sum(p.count("p3") for p in calls) == 2  # a probe that passed ran once more only in the first call
+    assert all("bad" not in c for c in calls[5:])  # the bisection ran over the rest, without the probes
+
+
+def test_two_requests_that_fail_alike_are_each_their_own_error_not_the_engine_s():
+    def generate(prompts, params):
+        raise ValueError("rejected")
+
+    out = generate_isolating(generate, ["a", "b"], [None, None])
+    assert all(isinstance(o, ValueError) for o in out)
+
+
+def test_on_a_cpu_every_prompt_is_prefilled_whole_unless_engine_kwargs_chose_chunking():
+    kwargs = {"model": "m", "max_model_len": 2048, "max_num_batched_tokens": 512}
+    assert whole_prefills(kwargs, on_cpu=True) == {**kwargs, "enable_chunked_prefill": False,
+                                                   "max_num_batched_tokens": 2048}
+    assert whole_prefills({"model": "m", "max_model_len": 2048}, on_cpu=True)["enable_chunked_prefill"] is False
+    assert whole_prefills(kwargs, on_cpu=False) == kwargs  # a GPU rewinds a seeded stream as vLLM means it to
+    chosen = {**kwargs, "enable_chunked_prefill": True}
+    assert whole_prefills(chosen, on_cpu=True) == chosen
+    pooling = {**kwargs, "runner": "pooling"}
+    assert whole_prefills(pooling, on_cpu=True) == pooling
+    spec = EngineSpec.from_config(BatchConfig(model="m", runner="pooling", max_model_len=64))
+    assert spec.llm_kwargs()["runner"] == "pooling"  # the key whole_prefills reads
+
+
 def test_gpu_settings_must_give_each_task_one_engines_gpus_or_a_share_of_one_gpu():
     check_gpu_settings({}, 1)
     check_gpu_settings({"spark.task.resource.gpu.amount": "2"}, 2)
@@ -424,6 +485,13 @@ class FakeLLM:
         self.max_running = 0
         self.aborted: list[str] = []
         self.llm_engine = self
+        self.stuck = False  # steps make no tokens (vLLM's engine core hands over none): a hung engine
+        self.engine_core = SimpleNamespace(get_output=lambda: SimpleNamespace(
+            outputs=[] if self.stuck else list(self.running)))
+
+    @property
+    def output_processor(self):  # vLLM's record of the requests in the engine, by their internal ids
+        return SimpleNamespace(request_states={f"{rid}-abcd1234": ids for rid, ids in self.running.items()})
 
     def enqueue(self, prompts, params, lora_request=None, use_tqdm=False):
         if any(p["prompt_token_ids"][0] in self.refused for p in prompts):
@@ -440,6 +508,7 @@ class FakeLLM:
         import time
 
         self.steps += 1
+        self.engine_core.get_output()  # as vLLM's step does: the tokens each request made
         self.max_running = max(self.max_running, len(self.running))
         self.mixed |= len({ids[0] >= 50 for ids in self.running.values()}) == 2
         time.sleep(self.step_seconds)
@@ -478,7 +547,7 @@ class Serving:
         self.server.engine, self.server.parsers = fake, SimpleNamespace(parse=lambda choice, parse: None)
         self.stopped: list[tuple[str, int]] = []
 
-        def stop(reason, code=0):  # the real one ends the process: this one never returns either
+        def stop(reason, code=0, shutdown=True):  # the real one ends the process: this one never returns either
             self.stopped.append((reason, code))
             threading.Event().wait()
         self.server.stop = stop
@@ -486,7 +555,7 @@ class Serving:
         if start_loop:
             self.loop.start()
 
-    def client(self):
+    def client(self, call_timeout=None):
         import threading
         from multiprocessing import Pipe
 
@@ -496,7 +565,8 @@ class Serving:
 
         ours, theirs = Pipe()
         threading.Thread(target=self.server.handle, args=(theirs,), daemon=True).start()
-        return EngineClient(Feed(Slot("cpu-test-0"), 0, 1), SlotRecord(0), False, _conn=ours)
+        process = None if call_timeout is None else ProcessSettings(0, "INFO", engine_call_timeout_seconds=call_timeout)
+        return EngineClient(Feed(Slot("cpu-test-0"), 0, 1), SlotRecord(0), False, _conn=ours, _process=process)
 
 
 def stream_through(fake, requests):
@@ -533,6 +603,65 @@ def test_when_a_step_fails_the_requests_in_flight_are_answered_by_the_isolating_
     got = dict(stream_through(fake, [request(t) for t in range(10, 16)]))
     assert sorted(got) == list(range(6)) and all(got[i].outputs[0].text == f"t{10 + i}" for i in got)
     assert fake.aborted and not fake.running  # nothing of the call is left in the engine
+
+
+def test_a_failed_call_leaves_none_of_its_requests_in_the_engine():
+    class Failing(FakeLLM):
+        def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+            self.enqueue(prompts, params)  # vLLM's generate adds them, then a step raises
+            raise RuntimeError("a kernel choked")
+    fake = Failing(step_fails=1)
+    got = dict(stream_through(fake, [request(t) for t in range(10, 13)]))
+    assert all(got[i].kind == "engine" and "choked" in got[i].message for i in range(3))
+    assert not fake.running  # each failed call's requests were ended, not left to pile up
+
+
+def test_an_engine_that_fails_every_request_alike_tells_each_feeder_and_stops():
+    from spark_llm.engine_host.protocol import EngineFaulted
+
+    class FailingAll(FakeLLM):
+        def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+            raise RuntimeError("CPU Generator does not use offset")
+    serving = Serving(FailingAll(step_fails=1, failure=RuntimeError("CPU Generator does not use offset")),
+                      start_loop=False)
+    threads, results, errors = streams_at_once(serving, [[request(t) for t in range(10, 14)],
+                                                         [request(t) for t in range(50, 54)]])
+    wait_for_inbox(serving.server, 2)
+    serving.loop.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(e, EngineFaulted) and "does not use offset" in str(e) for e in errors), errors
+    until(lambda: serving.stopped)
+    assert serving.stopped[0][1] == 1 and results == [[], []]
+
+
+def test_a_stepping_engine_that_makes_no_tokens_sends_no_word_and_its_task_takes_it_for_hung(monkeypatch):
+    from spark_llm.engine_host.client import EngineHung
+
+    monkeypatch.setattr("spark_llm.engine_host.server.HEARTBEAT_SECONDS", 0.05)
+    fake = FakeLLM(step_seconds=0.01, endless={10})
+    fake.stuck = True
+    serving = Serving(fake)
+    serving.server.count_progress()
+    with pytest.raises(EngineHung):
+        serving.client(call_timeout=1.0).stream([request(10)], lambda i, r: None)
+    assert fake.steps > 10 and serving.server.progress == 0  # it stepped all along, and made nothing
+
+
+def test_an_engine_that_makes_tokens_for_longer_than_the_call_timeout_is_not_hung(monkeypatch):
+    monkeypatch.setattr("spark_llm.engine_host.server.HEARTBEAT_SECONDS", 0.05)
+
+    class Slow(FakeLLM):  # the request finishes after 2 s of steps that each make a token
+        def step(self):
+            if self.steps * self.step_seconds >= 2.0:
+                self.endless.clear()
+            return super().step()
+    fake = Slow(step_seconds=0.01, endless={10})
+    serving = Serving(fake)
+    serving.server.count_progress()
+    got = []
+    serving.client(call_timeout=0.5).stream([request(10)], lambda i, r: got.append(r))
+    assert [r.outputs[0].text for r in got] == ["t10"] and serving.server.progress >= 100
 
 
 def streams_at_once(serving, calls):

@@ -53,8 +53,8 @@ from ..host import is_process, lock, process_alive, try_lock, write_private
 from .directory import (STOP_TIMEOUT_SECONDS, SlotFile, Slot, alive, copy_seconds, engine_dir, executor_pid,
                         process_record, start_failed_marker)
 from .placement import TaskPlace, local_gpus, unscheduled_gpus
-from .protocol import (STREAM_CHUNK, Ask, EngineDied, EngineGone, EngineRequest, Output, Reply, RequestFailure,
-                       SlotRecord)
+from .protocol import (STREAM_CHUNK, Ask, EngineDied, EngineFaulted, EngineGone, EngineRequest, Output, Reply,
+                       RequestFailure, SlotRecord)
 from .spec import EngineSpec, ProcessSettings, cache_env, engine_environment, home_writable
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,8 @@ class EngineClient:
     rebuilds: int = 0       #: engines this task started again after one died under it
     priority: int = 1       #: the calls' turn in the engine (0 most urgent: config.PRIORITIES' index)
     rebuild_seconds: float = 0.0  #: seconds this task spent waiting for dead engines to be rebuilt
+    #: where the run remembers that the slot's engine cannot serve these settings (:func:`start_failed_marker`)
+    failed_marker: Any = field(repr=False, default=None)
 
     @property
     def slot(self) -> Slot:
@@ -177,6 +179,15 @@ class EngineClient:
         if awaited:
             self.rebuild_seconds += time.monotonic() - t0
         self.rebuilds += died
+
+    def failed_for_run(self, why: str) -> EngineStartError:
+        """The engine cannot serve this run (it failed every request again after it was rebuilt): remembered for the
+        run's later tasks on the slot, which then fail at once instead of building it again; the error that stops
+        the batch."""
+        if self.failed_marker is not None:
+            with contextlib.suppress(OSError):
+                self.failed_marker.write_text(why)
+        return EngineStartError(why)
 
     def generate(self, requests: list[EngineRequest]) -> list[Output | RequestFailure]:
         """One result per request, in order."""
@@ -223,6 +234,8 @@ class EngineClient:
                              f"during a call ({type(exc).__name__}); see {self.slot.path(SlotFile.LOG)}") from None
         if status == Reply.DEAD:
             raise EngineDied(f"engine of slot {self.slot.name}: {value}")
+        if status == Reply.FAULT:
+            raise EngineFaulted(f"the engine of slot {self.slot.name} {value}")
         if status == Reply.GONE:
             raise EngineGone(f"engine of slot {self.slot.name}: {value}")
         if status != Reply.DONE:
@@ -288,7 +301,8 @@ def engine_for(spec: EngineSpec, process: ProcessSettings, place: TaskPlace,
             if info is None:  # gone since it was chosen: the call finds or starts the next one (EngineGone)
                 info = SlotRecord(0)
         conn = connect_or_gone(feed.slot, info)
-        client = EngineClient(feed, info, started, time.monotonic() - t0 if awaited else 0.0, conn, spec, process)
+        client = EngineClient(feed, info, started, time.monotonic() - t0 if awaited else 0.0, conn, spec, process,
+                              failed_marker=start_failed_marker(feed.slot, spec.key, run_id))
         try:
             yield client
         finally:

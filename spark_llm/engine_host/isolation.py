@@ -63,39 +63,106 @@ DEAD_EXECUTOR_ERRORS = ("Executor failed.",)
 
 def is_fatal(exc: BaseException) -> bool:
     """The engine is dead: vLLM's ``EngineDeadError``, a device error that leaves the CUDA context unusable
-    (:data:`STICKY_DEVICE_ERRORS`), or a tensor-parallel worker gone (:data:`DEAD_EXECUTOR_ERRORS`). No request can
-    be answered by it any more."""
+    (:data:`STICKY_DEVICE_ERRORS`), a tensor-parallel worker gone (:data:`DEAD_EXECUTOR_ERRORS`), or a failure every
+    request meets (:class:`EngineFault`). No request can be answered by it any more."""
     text = str(exc)
     if any(marker in text for marker in STICKY_DEVICE_ERRORS):
         return True
-    if isinstance(exc, RuntimeError) and text.strip() in DEAD_EXECUTOR_ERRORS:
+    if isinstance(exc, RuntimeError) and text.strip() in DEAD_EXECUTOR_ERRORS or isinstance(exc, EngineFault):
         return True
     # an EngineDeadError exists only where its module was imported: no import of vLLM here (the engine stand-in)
     exceptions = sys.modules.get("vllm.v1.engine.exceptions")
     return exceptions is not None and isinstance(exc, getattr(exceptions, "EngineDeadError", ()))
 
 
+#: Requests of a failed call (spread across it) that run alone before the bisection: when every one of them fails
+#: alone as the whole call did, the failure is the engine's (:class:`EngineFault`), not theirs.
+PROBES = 4
+
+
+class EngineFault(RuntimeError):
+    """Every request an engine was given fails the same way, alone as together: the engine is at fault (a setting it
+    cannot run with, a state it cannot leave), not a request. ``signature`` is the failure every call met."""
+
+    def __init__(self, signature: str, hint: Optional[str] = None):
+        super().__init__(f"every request fails with {signature}" + (f" ({hint})" if hint else ""))
+        self.signature = signature
+
+
+#: What to change for failures that every request meets, by what the failure says.
+ENGINE_FAULT_HINTS = {
+    "CPU Generator does not use offset": "vLLM on a CPU cannot sample seeded requests whose prompts are prefilled "
+                                         "in parts: leave enable_chunked_prefill out of engine_kwargs",
+}
+
+
+def failure_signature(exc: BaseException) -> str:
+    """A failure as calls compare it: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def probe_indices(n: int, probes: int = PROBES) -> list[int]:
+    """The requests of a failed call of ``n`` that run alone first: ``probes`` of them, spread evenly (the first
+    and the last included), or none when the call has fewer (its bisection tries each alone anyway)."""
+    if n < probes or probes < 2:
+        return []
+    return sorted({round(k * (n - 1) / (probes - 1)) for k in range(probes)})
+
+
 def generate_isolating(generate: Callable[[list, list], list], prompts: Sequence, params: Sequence,
-                       is_fatal: Callable[[BaseException], bool] = is_fatal) -> list:
-    """Run ``generate`` on all requests at once; if it raises a non-fatal error, bisect to find the request(s)
-    responsible. Returns, per request, either its output or the exception it caused."""
+                       is_fatal: Callable[[BaseException], bool] = is_fatal, probes: int = PROBES) -> list:
+    """Run ``generate`` on all requests at once; if it raises a non-fatal error, find the request(s) responsible.
+    Returns, per request, either its output or the exception it caused.
+
+    The algorithm: a failed call's :func:`probe_indices` run alone first. If each of them fails alone with the
+    call's own failure (:func:`failure_signature`), no request is to blame and :class:`EngineFault` is raised: the
+    engine is rebuilt, and a batch whose engines fail so again stops with the failure, instead of each request
+    running alone to the same error (a call of ``n`` would take ``2n - 1`` calls). Otherwise the probes keep their
+    results and the rest is bisected: halves of a failed call run apart until the request at fault is alone. Each
+    call is bounded by ``generate``, which ends its requests in the engine when it raises."""
     if not prompts:
         return []
     try:
-        outs = list(generate(list(prompts), list(params)))
-        if len(outs) != len(prompts):
-            raise RuntimeError(f"engine returned {len(outs)} outputs for {len(prompts)} requests")
-        return outs
+        return _checked(generate, prompts, params)
+    except Exception as exc:
+        if is_fatal(exc):
+            raise
+        first = exc
+    log.warning("engine call over %d requests failed (%s); isolating the failing request(s)", len(prompts),
+                failure_signature(first))
+    alone = probe_indices(len(prompts), probes)
+    results: dict[int, Any] = {i: _bisect(generate, [prompts[i]], [params[i]], is_fatal)[0] for i in alone}
+    signature = failure_signature(first)
+    if alone and all(isinstance(r, Exception) and failure_signature(r) == signature for r in results.values()):
+        hint = next((h for marker, h in ENGINE_FAULT_HINTS.items() if marker in signature), None)
+        raise EngineFault(signature, hint) from first
+    rest = [i for i in range(len(prompts)) if i not in results]
+    if rest:
+        for i, out in zip(rest, _bisect(generate, [prompts[i] for i in rest], [params[i] for i in rest], is_fatal)):
+            results[i] = out
+    return [results[i] for i in range(len(prompts))]
+
+
+def _checked(generate: Callable[[list, list], list], prompts: Sequence, params: Sequence) -> list:
+    outs = list(generate(list(prompts), list(params)))
+    if len(outs) != len(prompts):
+        raise RuntimeError(f"engine returned {len(outs)} outputs for {len(prompts)} requests")
+    return outs
+
+
+def _bisect(generate: Callable[[list, list], list], prompts: Sequence, params: Sequence,
+            is_fatal: Callable[[BaseException], bool]) -> list:
+    """:func:`generate_isolating`'s bisection: the call, then its halves apart when it failed."""
+    try:
+        return _checked(generate, prompts, params)
     except Exception as exc:
         if is_fatal(exc):
             raise
         if len(prompts) == 1:
             return [exc]
-        mid = len(prompts) // 2
-        log.warning("engine call over %d requests failed (%s); isolating the failing request(s)", len(prompts),
-                    type(exc).__name__)
-        return (generate_isolating(generate, prompts[:mid], params[:mid], is_fatal)
-                + generate_isolating(generate, prompts[mid:], params[mid:], is_fatal))
+    mid = len(prompts) // 2
+    return (_bisect(generate, prompts[:mid], params[:mid], is_fatal)
+            + _bisect(generate, prompts[mid:], params[mid:], is_fatal))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ A task's connection (:mod:`~spark_llm.engine_host.client`) carries calls, one af
     task -> engine   (Ask.STREAM, n, priority)             a call of n requests (priority: 0 most urgent) ...
     task -> engine   (Ask.ADD, [(index, request), ...])    ... sent in chunks of STREAM_CHUNK
     engine -> task   (Reply.RESULTS, [(index, Output | RequestFailure), ...])   as requests finish
-    engine -> task   (Reply.DONE, None) | (Reply.DEAD, why) | (Reply.GONE, why) | (Reply.ERROR, why)
+    engine -> task   (Reply.DONE, None) | (Reply.DEAD, why) | (Reply.FAULT, why) | (Reply.GONE, why)
+                     | (Reply.ERROR, why)
 
 or one ``(Ask.SHUTDOWN,)`` (another engine needs the devices: the server stops once the calls under way end). A
 request is an :class:`EngineRequest`; its answer an :class:`Output` of its :class:`EngineTask`, or a
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple, Optional
 
 #: Version of what crosses the socket, part of every engine's key: a task never talks to an engine server of an
 #: older spark_llm that may still be running on the host.
-PROTOCOL = 8
+PROTOCOL = 9
 #: Requests per message of a streamed call: the engine starts on the first chunk while the rest are on their way.
 STREAM_CHUNK = 256
 
@@ -45,6 +46,7 @@ class Reply:
     RESULTS = "results"
     DONE = "done"
     DEAD = "dead"        #: the engine died with the call in flight
+    FAULT = "fault"      #: the engine failed every request it was given the same way (not the requests' fault)
     ERROR = "error"      #: a fault of the engine server, not of a request: the call's requests got no answer
 
 
@@ -216,6 +218,12 @@ class RequestFailure:
 
 class EngineDied(RuntimeError):
     """The engine process died (or its engine is dead) during a call: the requests in flight got no answer."""
+
+
+class EngineFaulted(RuntimeError):
+    """The engine failed every request it was given the same way, alone as together, and ended: a setting or state
+    of the engine's, not a request, is at fault, so no request is suspected; the engine is rebuilt once, and a second
+    such failure stops the batch with it."""
 
 
 class EngineGone(RuntimeError):

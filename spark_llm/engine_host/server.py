@@ -15,9 +15,13 @@ next two tasks.)
 
 A request the engine refuses when it is added is that request's failure. A step that raises (not fatally) sends
 every request in flight through the isolating path (:func:`~spark_llm.engine_host.isolation.generate_isolating`),
-whose bisection finds the request at fault. A dead engine (``EngineDeadError``) answers every stream ``dead`` and
-the process ends: its tasks rebuild it and set the request that killed it aside
-(:mod:`~spark_llm.engine_host.isolation`, which runs a partition with deaths on record alone on the engine).
+whose bisection finds the request at fault; each of its calls ends its requests in the engine when it fails, so none
+is left behind to be stepped for ever. A dead engine (``EngineDeadError``) answers every stream ``dead`` and the
+process ends: its tasks rebuild it and set the request that killed it aside (:mod:`~spark_llm.engine_host.isolation`,
+which runs a partition with deaths on record alone on the engine). An engine that fails every request the same way
+answers ``fault`` and ends: no request is suspected. Streams hear from the engine every :data:`HEARTBEAT_SECONDS`
+only while it makes progress (a step that made tokens), so a task takes an engine that steps without end, or
+not at all, for a hung one.
 A pooling engine (vLLM's pooling runner: embeddings) takes whole calls, one at a time, each request's task done by
 its ``vllm.LLM`` method (:data:`~spark_llm.engine_host.protocol.POOLING_CALLS`).
 """
@@ -49,7 +53,7 @@ from ..host import process_alive, try_lock, write_private
 from . import egress
 from .directory import (STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, end_leftovers, engine_dir, event,
                         lock_holder, process_record, record_holder, start_failed_marker)
-from .isolation import generate_isolating, is_fatal
+from .isolation import EngineFault, generate_isolating, is_fatal
 from .protocol import (POOLING_CALLS, Ask, EngineRequest, EngineTask, Output, Reply, RequestFailure, SlotRecord,
                        SlotStats)
 from .spec import EngineSpec, build_engine, seeded_for, shutdown_engine
@@ -160,6 +164,8 @@ class EngineServer:
         self.beaten = time.monotonic()  #: when the streams in the engine last heard from it
         self.busy_seconds = 0.0  #: time spent in engine steps and whole calls
         self.recorded_busy = 0.0  #: what <slot>.stats says
+        self.progress = 0  #: engine steps that made tokens (:meth:`count_progress`): what a heartbeat reports
+        self.beaten_progress = 0  #: :attr:`progress` at the last heartbeat
 
     # ---- the connection threads ----------------------------------------------------------------------------
 
@@ -257,7 +263,7 @@ class EngineServer:
                 for stream, results in finished.items():
                     self._answer(stream, results)
             except Exception as exc:
-                if is_fatal(exc):  # from a pooling engine's whole call, say
+                if is_fatal(exc):  # from a pooling engine's whole call, say (or a failure every request met)
                     self._die(exc)
                 # a bug of ours, not of one request: end the streams, keep the engine
                 streams = self._live_streams()
@@ -268,14 +274,37 @@ class EngineServer:
                     stream.end(Reply.ERROR, f"{type(exc).__name__}: {exc}")
                     self._forget(stream)
 
-    def _beat(self, flight: dict[str, "_InFlight"]) -> None:
-        """Every :data:`HEARTBEAT_SECONDS` while the engine steps, an empty result to each stream with requests in
-        it: a task hears from a working engine however long its answers take, so silence means a hung one
-        (:attr:`~spark_llm.engine_host.spec.ProcessSettings.engine_call_timeout_seconds`)."""
+    def count_progress(self) -> None:
+        """Count the engine's steps that made tokens, whoever steps it (this loop, or vLLM's own loop in a blocking
+        call): vLLM's engine core hands each step's new tokens to ``get_output`` (a step's outputs show finished
+        requests only), which is wrapped once the engine is built; an engine without one (the stand-in) counts the
+        steps that returned output."""
+        engine = self.engine.llm_engine
+        owner, name = (engine.engine_core, "get_output") if hasattr(engine, "engine_core") else (engine, "step")
+        produce = getattr(owner, name)
+
+        def counted() -> Any:
+            outs = produce()
+            if getattr(outs, "outputs", outs):
+                self.progress += 1
+            return outs
+        setattr(owner, name, counted)
+
+    def _progressed(self) -> bool:
+        """Whether the engine made progress since the last heartbeat (and a heartbeat is due)."""
         now = time.monotonic()
-        if now - self.beaten < HEARTBEAT_SECONDS:
+        if now - self.beaten < HEARTBEAT_SECONDS or self.progress == self.beaten_progress:
+            return False
+        self.beaten, self.beaten_progress = now, self.progress
+        return True
+
+    def _beat(self, flight: dict[str, "_InFlight"]) -> None:
+        """Every :data:`HEARTBEAT_SECONDS` while the engine makes progress, an empty result to each stream with
+        requests in it: a task hears from a working engine however long its answers take, so silence means a hung
+        one (:attr:`~spark_llm.engine_host.spec.ProcessSettings.engine_call_timeout_seconds`), also one whose steps
+        return without end and without output."""
+        if not self._progressed():
             return
-        self.beaten = now
         for stream in {entry.stream for entry in flight.values()}:
             stream.sender.put((Reply.RESULTS, []))
         self.record_busy()
@@ -283,15 +312,16 @@ class EngineServer:
     @contextlib.contextmanager
     def _beating(self, streams: set[_Stream]) -> Iterator[None]:
         """While a blocking engine call runs (a pooling engine's whole call, the isolation after a failed step), the
-        word a stepping engine sends (:meth:`_beat`), from a thread of its own, to the ``streams`` it works for: a
-        long call is not taken for a hung engine. The thread is gone before the call's results are sent, so no word
-        follows a stream's end."""
+        word a stepping engine sends while it makes progress (:meth:`_beat`), from a thread of its own, to the
+        ``streams`` it works for: a long call is not taken for a hung engine, a call that makes no progress is. The
+        thread is gone before the call's results are sent, so no word follows a stream's end."""
         done = threading.Event()
 
         def beat() -> None:
             while not done.wait(HEARTBEAT_SECONDS):
-                for stream in streams:
-                    stream.sender.put((Reply.RESULTS, []))
+                if self._progressed():
+                    for stream in streams:
+                        stream.sender.put((Reply.RESULTS, []))
         thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
         thread.start()
         try:
@@ -400,6 +430,14 @@ class EngineServer:
             with contextlib.suppress(Exception):
                 self.engine.llm_engine.abort_request([e.internal for e in entries], internal=True)
 
+    def _abort_unfinished(self) -> None:
+        """End every request still in the engine: after a blocking call raised, those are its own (the loop has
+        nothing in flight then), which vLLM leaves there; stepped with the next call's, they pile up until the
+        engine steps for ever."""
+        with contextlib.suppress(Exception):
+            engine = self.engine.llm_engine
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
+
     def _step_failed(self, exc: Exception, flight: dict[str, _InFlight]) -> None:
         """A step raised. Dead engine: every stream ends ``dead`` and the process goes. Otherwise which request the
         engine choked on is not known: every request in flight runs again through the isolating path."""
@@ -423,12 +461,14 @@ class EngineServer:
 
     def _die(self, exc: BaseException) -> None:
         """The engine is dead: no new stream is taken (they are told ``gone``), every stream under way is told
-        ``dead`` (and its sender flushed), then the process ends."""
-        message = f"{type(exc).__name__}: {exc} (the engine is dead)"
+        ``dead`` (``fault`` when every request failed alike: :class:`~.isolation.EngineFault`; its sender flushed),
+        then the process ends."""
+        fault = isinstance(exc, EngineFault)
+        message = f"{exc}" if fault else f"{type(exc).__name__}: {exc} (the engine is dead)"
         with self.streams_lock:
             self.stopping = (f"engine dead: {exc}", 1)
         for stream in self._live_streams():
-            stream.end(Reply.DEAD, message)
+            stream.end(Reply.FAULT if fault else Reply.DEAD, message)
             stream.sender.close()
         self.stop(f"engine dead: {exc}", code=1)
 
@@ -464,9 +504,13 @@ class EngineServer:
         def run(p: list, s: list) -> list:
             lora = [a for _, a in s] if any(a is not None for _, a in s) else None
             params = [x for x, _ in s]
-            if task.generates:
-                return call(p, params, lora_request=lora, use_tqdm=False)
-            return call(p, pooling_params=params, lora_request=lora, use_tqdm=False)
+            try:
+                if task.generates:
+                    return call(p, params, lora_request=lora, use_tqdm=False)
+                return call(p, pooling_params=params, lora_request=lora, use_tqdm=False)
+            except Exception:
+                self._abort_unfinished()
+                raise
         outs = generate_isolating(run, prompts, paired)
         for i, out in zip(index, outs):
             if isinstance(out, BaseException):
@@ -534,9 +578,10 @@ class EngineServer:
 
     # ---- life --------------------------------------------------------------------------------------------
 
-    def stop(self, reason: str, code: int = 0) -> None:
+    def stop(self, reason: str, code: int = 0, shutdown: bool = True) -> None:
         """Leave: remove our files, record why, release the devices (the process ends). From here on a task is told
-        the engine is ``gone`` (while the engine shuts down), never that its requests died."""
+        the engine is ``gone`` (while the engine shuts down, unless ``shutdown`` is off: an engine stuck in a call
+        would not), never that its requests died."""
         with self.streams_lock:
             self.stopping = self.stopping or (reason, code)
         with contextlib.suppress(Exception):
@@ -546,7 +591,7 @@ class EngineServer:
                 os.unlink(self.slot.socket())
         event(event="stop", slot=self.slot.name, devices=list(self.slot.devices), pid=os.getpid(), key=self.key,
                reason=reason)
-        if self.engine is not None:
+        if self.engine is not None and shutdown:
             shutdown_engine(self.engine)
         os._exit(code)
 
@@ -555,12 +600,16 @@ class EngineServer:
         GPUs are not held for a batch that ended), and ask the engine loop to stop when idle longer than the idle
         timeout. The idle clock starts with the first call: an engine loaded ahead of a batch waits for it however
         long the driver takes to prepare it."""
+        gone_at = None
         while True:
             time.sleep(1.0)
             if not process_alive(self.watch_pid):
                 if self.engine is None:
                     self.stop("executor gone while the engine loaded")
                 self.inbox.put(("stop", "executor gone", 0, "now"))
+                gone_at = gone_at or time.monotonic()
+                if time.monotonic() - gone_at > STOP_TIMEOUT_SECONDS / 2:  # the loop is stuck in a call: end it here
+                    self.stop("executor gone while the engine was stuck in a call", shutdown=False)
             idle = time.monotonic() - self.last_used
             if self.idle_timeout and self.called and not self.streams and idle > self.idle_timeout:
                 self.inbox.put(("stop", f"idle for {idle:.0f}s", 0, "if idle"))
@@ -789,6 +838,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
             server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
                                      spec.settings.get("reasoning_parser"))
         server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        server.count_progress()
         server.runner = "pooling" if spec.settings.get("runner") == "pooling" else "generate"
     except EngineStartError as exc:
         log.error("engine for slot %s could not start: %s", slot.name, exc)

@@ -202,6 +202,9 @@ def build_engine(spec: EngineSpec, copying: Optional[Callable[[Optional[float]],
         raise EngineStartError(
             f"model directory {spec.model!r} does not exist on this executor (pid {os.getpid()}): set --model / "
             f"MODEL_PATH to a path every executor can read, or a URI (s3a://, abfss://, gs://, dbfs:/, file:/)")
+    from vllm.platforms import current_platform
+
+    kwargs = whole_prefills(kwargs, current_platform.is_cpu())
     try:
         return LLM(**kwargs)
     except Exception as exc:
@@ -212,6 +215,25 @@ def build_engine(spec: EngineSpec, copying: Optional[Callable[[Optional[float]],
             f"vLLM could not start the engine for {spec.model!r}: {type(exc).__name__}: {exc}. Check the model "
             f"directory, dtype, max_model_len / MAX_MODEL_LEN, max_num_seqs / BATCH_SIZE and "
             f"gpu_memory_utilization or kv_cache_memory_bytes") from exc
+
+
+def whole_prefills(kwargs: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments with every prompt prefilled in one step on a CPU (chunked prefill off, so each step's
+    token budget must hold ``max_model_len``), unless ``engine_kwargs`` chose chunked prefill itself.
+
+    Why: a step that prefills only part of a prompt still samples a token for it, which vLLM throws away and then
+    rewinds the request's random stream by (``gen.set_offset``, gpu_model_runner.py). Only a CUDA generator has an
+    offset; a CPU ``torch.Generator`` raises ``CPU Generator does not use offset``, so every step that holds a
+    seeded request mid-prefill fails, and every sampled request is seeded (``sampling_seeds: request``). With whole
+    prefills no token is ever discarded, and a seeded answer does not depend on how its prompt was cut. A pooling
+    engine samples nothing, and a GPU rewinds as it should: both keep vLLM's default."""
+    if not on_cpu or kwargs.get("runner") == "pooling" or "enable_chunked_prefill" in kwargs:
+        return kwargs
+    whole = {**kwargs, "enable_chunked_prefill": False}
+    budget, context = kwargs.get("max_num_batched_tokens"), kwargs.get("max_model_len")
+    if budget is not None and context is not None and budget < context:
+        whole["max_num_batched_tokens"] = context  # vLLM refuses a budget below max_model_len without chunking
+    return whole
 
 
 #: The oldest NVIDIA driver each CUDA major version runs on (NVIDIA's minor-version compatibility floors): a torch
