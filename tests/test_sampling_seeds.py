@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from conftest import MEETING_PREFIX, chat_line, engine_settings, write_jsonl
+from conftest import MEETING_PREFIX, chat_line, engine_settings, eventually, write_jsonl
 from spark_llm.config import BatchConfig
 from spark_llm.endpoints.common import request_seed, with_request_seed
 from spark_llm.engine_host.spec import EngineSpec, engine_seed, seeded_for
@@ -87,3 +89,87 @@ def test_one_prompt_sampled_many_times_over_two_engines_gives_distinct_answers_w
                                          output_dir=str(tmp_path / "more"), batch_id="b-samples-again"))
     assert again.batch.partition_plan["num_partitions"] > first.batch.partition_plan["num_partitions"]
     assert _answers(again.output_dir) == answers
+
+
+WORDS = "the cat sat on a warm mat and told a long story about the sea".split()
+#: A line's sampling settings by its number: greedy with only max_tokens, then the sampled shapes users send
+SHAPES = ({}, {"temperature": 0.8, "top_p": 0.9}, {"seed": 11, "temperature": 0.9}, {"temperature": 0.7, "stop": ["."]},
+          {"temperature": 1.0, "top_k": 5}, {"temperature": 1.0, "min_p": 0.1}, {"temperature": 0.8, "n": 2})
+
+
+def _mixed_lines(count: int) -> list[dict]:
+    """Chat lines of every shape in :data:`SHAPES`, with prompts of about 420 to 930 tokens, each its own draw of
+    words (no prefix the engine has cached): the engines' batches (8 sequences) hold more prompt tokens than a
+    step's budget (vLLM's 4,096 on a CPU), so a chunking engine would prefill prompts in parts."""
+    def prompt(i: int) -> str:
+        rng = random.Random(i)
+        return " ".join(rng.choice(WORDS) for _ in range(250 + (i * 97) % 300))
+    return [chat_line(f"mix-{i}", prompt(i), max_tokens=8, **SHAPES[i % len(SHAPES)]) for i in range(count)]
+
+
+@pytest.mark.engine
+def test_a_mix_of_sampling_shapes_with_long_prompts_is_answered_once_whatever_the_partitioning(
+        spark, tiny_model, tmp_path, engine_dir):
+    """vLLM rewinds the random stream of a request whose prompt a step prefilled in part, which a CPU generator
+    cannot do: with chunked prefill, every step that held a seeded request mid-prefill failed, and the isolation
+    that followed left the engines stepping for ever. Here every line is answered, and a sampled line's answer is
+    the same when the batch is cut into more partitions."""
+    from spark_llm import run_batch
+    from spark_llm.engine_host import read_events
+
+    lines = _mixed_lines(210)
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    settings = {**engine_settings(tiny_model), "input": str(tmp_path / "in.jsonl")}
+    failed_steps = lambda: [e for e in read_events(engine_dir) if e["event"] == "step_failed"]  # noqa: E731
+    before = len(failed_steps())
+    first = run_batch(spark, BatchConfig(**settings, output_dir=str(tmp_path / "one"), batch_id="b-mix"))
+    assert (first.completed, first.failed) == (len(lines), 0)
+    assert failed_steps()[before:] == []  # answered by the engines' steps, not rescued by an isolation
+    answers = _answers(first.output_dir)
+    assert sorted(answers) == sorted(line["custom_id"] for line in lines)
+    assert all(len(answers[f"mix-{i}"]) == 2 for i in range(6, len(lines), len(SHAPES)))  # n=2
+
+    sampled = [line for i, line in enumerate(lines[:42]) if i % len(SHAPES)]
+    write_jsonl(tmp_path / "sampled.jsonl", sampled)
+    again = run_batch(spark, BatchConfig(**{**settings, "input": str(tmp_path / "sampled.jsonl"),
+                                            "target_tokens_per_partition": 2_000},
+                                         output_dir=str(tmp_path / "more"), batch_id="b-mix"))
+    assert again.batch.partition_plan["num_partitions"] > 2
+    assert _answers(again.output_dir) == {line["custom_id"]: answers[line["custom_id"]] for line in sampled}
+
+
+@pytest.mark.engine
+def test_an_engine_whose_every_step_fails_is_rebuilt_once_then_stops_the_batch_with_its_message(
+        spark, tiny_model, tmp_path, engine_dir):
+    """Chunked prefill chosen in engine_kwargs, with a step budget smaller than every prompt: each seeded request
+    fails every step on the CPU, alone as together (vLLM's own failure, not one made up). The engine is the one at
+    fault, not the requests: it is rebuilt once, and the batch stops with vLLM's message and what to change."""
+    import time
+
+    from spark_llm import EngineStartError, run_batch
+    from spark_llm.engine_host import EngineSpec, read_events
+    from spark_llm.models import resolve
+
+    lines = [line for i, line in enumerate(_mixed_lines(24)) if i % len(SHAPES)][:16]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    base = engine_settings(tiny_model)
+    settings = {**base, "input": str(tmp_path / "in.jsonl"), "max_num_batched_tokens": 64,
+                "engine_kwargs": {**base["engine_kwargs"], "enable_chunked_prefill": True}}
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        run_batch(spark, BatchConfig(**settings, output_dir=str(tmp_path / "out"), batch_id="b-every-step"))
+    seconds = time.monotonic() - t0
+    message = str(info.value)
+    assert "CPU Generator does not use offset" in message and "enable_chunked_prefill" in message
+    assert "also after the engine was rebuilt" in message and "Traceback" not in message
+    batch = json.loads((tmp_path / "out" / "batch.json").read_text())
+    assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "engine_start_failed"
+    key = EngineSpec.from_config(resolve(BatchConfig(**settings))).key
+    events = [e for e in read_events(engine_dir) if e["key"] == key]
+    assert {e["error"] for e in events if e["event"] == "step_failed"} == {
+        "RuntimeError: CPU Generator does not use offset"}
+    starts = Counter(e["slot"] for e in events if e["event"] == "start")
+    assert starts and all(n == 2 for n in starts.values()), starts  # each engine built, then rebuilt once
+    stops = lambda: len([e for e in read_events(engine_dir) if e["key"] == key and e["event"] == "stop"])  # noqa
+    eventually(lambda: stops() == sum(starts.values()), "every engine of these settings stopped")
+    print(f"every-step fault: the batch stopped {seconds:.1f} s after its start")

@@ -235,7 +235,7 @@ class EngineClient:
         if status == Reply.DEAD:
             raise EngineDied(f"engine of slot {self.slot.name}: {value}")
         if status == Reply.FAULT:
-            raise EngineFaulted(f"the engine of slot {self.slot.name} {value}")
+            raise EngineFaulted(f"the engine of slot {self.slot.name}: {value}")
         if status == Reply.GONE:
             raise EngineGone(f"engine of slot {self.slot.name}: {value}")
         if status != Reply.DONE:

@@ -53,7 +53,7 @@ from ..host import process_alive, try_lock, write_private
 from . import egress
 from .directory import (STOP_TIMEOUT_SECONDS, Slot, SlotFile, device_lock, end_leftovers, engine_dir, event,
                         lock_holder, process_record, record_holder, start_failed_marker)
-from .isolation import EngineFault, generate_isolating, is_fatal
+from .isolation import EngineFault, failure_signature, generate_isolating, is_fatal
 from .protocol import (POOLING_CALLS, Ask, EngineRequest, EngineTask, Output, Reply, RequestFailure, SlotRecord,
                        SlotStats)
 from .spec import EngineSpec, build_engine, seeded_for, shutdown_engine
@@ -445,6 +445,9 @@ class EngineServer:
             self._die(exc)
         log.warning("engine step failed (%s: %s); isolating the %d request(s) in flight", type(exc).__name__, exc,
                     len(flight))
+        with contextlib.suppress(OSError):
+            event(event="step_failed", slot=self.slot.name, pid=os.getpid(), key=self.key,
+                  error=failure_signature(exc), requests=len(flight))
         entries = list(flight.values())
         self._abort(entries)
         flight.clear()
