@@ -17,6 +17,7 @@ the medians and ``vs_run_batch`` the median of the N pairs' ratios.
     python scripts/bench_peers.py --requests 2000                    # CPU, tiny model built on the fly
     python scripts/bench_peers.py --requests 15 --slots 1 --repeat 3 --skip raw   # the smoke test, three pairs
     python scripts/bench_peers.py --requests 20000 --mix gen         # short, medium and long prompts
+    python scripts/bench_peers.py --requests 2000 --mix sampled --dtype float32   # greedy, top_p, seeded and stop
     # on a GPU node (ordinary vllm installed), an 8B model:
     python scripts/bench_peers.py --model /models/llama-3.1-8b --requests 20000 --max-num-seqs 256 \\
         --master local[1] --slots 1 --no-enforce-eager
@@ -43,17 +44,27 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_overhead import WORDS  # noqa: E402  (the same vocabulary of prompts)
 
 
+#: The sampling shapes of ``--mix sampled``, a line each in turn: greedy with only max_tokens, then what users sample
+#: with (a seed of their own; spark_llm seeds the other sampled lines itself)
+SAMPLED_SHAPES = ({}, {"temperature": 0.8, "top_p": 0.9}, {"seed": 11, "temperature": 0.9},
+                  {"temperature": 0.7, "stop": ["."]})
+
+
 def write_requests(path: Path, n: int, model: str, max_tokens: int, mix: str, seed: int = 0) -> None:
-    """``n`` chat requests, one line at a time: ``short`` 5-120 words; ``gen`` 60% short, 30% ~300, 10% ~900 words."""
+    """``n`` chat requests, one line at a time: ``short`` 5-120 words; ``gen`` 60% short, 30% ~300, 10% ~900 words;
+    ``sampled`` 60-240 words (about 100-400 tokens) in :data:`SAMPLED_SHAPES` in turn."""
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as f:
         for i in range(n):
             if mix == "gen":
                 words = rng.choice([rng.randint(5, 120)] * 6 + [rng.randint(250, 350)] * 3 + [rng.randint(800, 1000)])
+            elif mix == "sampled":
+                words = rng.randint(60, 240)
             else:
                 words = rng.randint(5, 120)
+            sampling = SAMPLED_SHAPES[i % len(SAMPLED_SHAPES)] if mix == "sampled" else {"temperature": 0}
             body = {"model": model, "messages": [{"role": "user", "content": " ".join(rng.choices(WORDS, k=words))}],
-                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                    "max_tokens": max_tokens, "ignore_eos": True, **sampling}
             f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": body}, ensure_ascii=False) + "\n")
 
@@ -77,7 +88,10 @@ def raw_generate(model: str, input_path: Path, engine: dict, max_tokens: int) ->
     prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(r["body"]["messages"], tokenize=False,
                                                                        add_generation_prompt=True),
                                                add_special_tokens=False)} for r in lines]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    sampling = ("temperature", "top_p", "seed", "stop")
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                             **{"temperature": 0.0, **{k: r["body"][k] for k in sampling if k in r["body"]}})
+              for r in lines]
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.monotonic() - t0
@@ -92,7 +106,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--mix", choices=["short", "gen"], default="short")
+    p.add_argument("--mix", choices=["short", "gen", "sampled"], default="short")
     p.add_argument("--model", default=None, help="model directory (default: build the tiny model)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=64)
