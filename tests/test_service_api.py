@@ -302,7 +302,8 @@ def test_another_key_s_id_is_no_cursor(api, tmp_path):
 
 
 def test_the_storage_is_the_server_s_alone(api, tmp_path):
-    """Storage root 0700, the database and every stored file 0600: another user of the host reads nothing."""
+    """Storage root and every folder in it 0700, the database and every stored file 0600: another user of the host
+    reads nothing."""
     import stat
 
     root = api["root"] / "storage"
@@ -313,6 +314,8 @@ def test_the_storage_is_the_server_s_alone(api, tmp_path):
     stored = [p for p in (root / "files").rglob("*") if p.is_file()]
     assert any(uploaded.id in p.name for p in stored)
     assert {p.name: mode(p) for p in stored} == {p.name: 0o600 for p in stored}
+    folders = [root / "files", *(p for p in root.rglob("*") if p.is_dir())]
+    assert {str(p): mode(p) for p in folders} == {str(p): 0o700 for p in folders}
 
 
 def test_the_dashboard_shows_what_a_batch_holds_as_text(api):

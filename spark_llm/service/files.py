@@ -95,6 +95,22 @@ class FileStorage:
     def location(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
 
+    def _make_dirs(self, filesystem: Any, directory: str) -> None:
+        """``directory`` and the folders above it up to the root; on a local disk each made 0700, as the root is
+        (a umask would leave ``files/`` and ``batches/<id>/`` readable by others)."""
+        if filesystem.type_name != "local":
+            filesystem.create_dir(directory, recursive=True)
+            return
+        made = []
+        folder = directory
+        while folder.startswith(self.root + "/") and not os.path.isdir(folder):
+            made.append(folder)
+            folder = os.path.dirname(folder)
+        for folder in reversed(made):
+            with contextlib.suppress(FileExistsError):  # another request made it first
+                os.mkdir(folder, 0o700)
+            os.chmod(folder, 0o700)
+
     @contextlib.contextmanager
     def writing(self, location: str) -> Iterator[Any]:
         """A stream that becomes ``location`` when the block ends without an error, and nothing otherwise: a reader
@@ -111,7 +127,7 @@ class FileStorage:
                 raise
             return
         filesystem, path = python_filesystem(location, self.s3)
-        filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        self._make_dirs(filesystem, path.rsplit("/", 1)[0])
         temporary = f"{path}.{uuid.uuid4().hex[:8]}.partial"
         try:
             with filesystem.open_output_stream(temporary) as out:
