@@ -459,7 +459,7 @@ def test_the_engine_layout_counts_engines_and_the_tasks_that_feed_each():
 
 
 def test_local_task_threads_are_read_from_the_master():
-    from spark_llm.session import local_task_threads
+    from spark_llm.session_info import local_task_threads
 
     assert local_task_threads({"spark.master": "local[4,8]"}) == 4
     assert local_task_threads({"spark.master": "local"}) == 1
@@ -545,6 +545,7 @@ class Serving:
 
         self.server = EngineServer(Slot("cpu-test-0"), "key", 0, 0)
         self.server.engine, self.server.parsers = fake, SimpleNamespace(parse=lambda choice, parse: None)
+        self.server.count_progress()  # as the server does once its engine is built
         self.stopped: list[tuple[str, int]] = []
 
         def stop(reason, code=0, shutdown=True):  # the real one ends the process: this one never returns either
@@ -642,7 +643,6 @@ def test_a_stepping_engine_that_makes_no_tokens_sends_no_word_and_its_task_takes
     fake = FakeLLM(step_seconds=0.01, endless={10})
     fake.stuck = True
     serving = Serving(fake)
-    serving.server.count_progress()
     with pytest.raises(EngineHung):
         serving.client(call_timeout=1.0).stream([request(10)], lambda i, r: None)
     assert fake.steps > 10 and serving.server.progress == 0  # it stepped all along, and made nothing
@@ -658,7 +658,6 @@ def test_an_engine_that_makes_tokens_for_longer_than_the_call_timeout_is_not_hun
             return super().step()
     fake = Slow(step_seconds=0.01, endless={10})
     serving = Serving(fake)
-    serving.server.count_progress()
     got = []
     serving.client(call_timeout=0.5).stream([request(10)], lambda i, r: got.append(r))
     assert [r.outputs[0].text for r in got] == ["t10"] and serving.server.progress >= 100

@@ -168,7 +168,7 @@ def test_a_local_master_on_a_host_with_gpus_runs_one_engine_per_gpu_each_pinned(
 def test_a_long_blocking_engine_call_keeps_the_heartbeat_and_is_not_taken_for_a_hung_engine(monkeypatch):
     """A step fails and its requests are run again by blocking calls (as a pooling engine's whole calls are) that
     take longer than the client waits for a word (engine_call_timeout_seconds): the engine sends its heartbeat
-    while they run, and every request is answered instead of the engine being killed as hung."""
+    while they make tokens, and every request is answered instead of the engine being killed as hung."""
     import time as clock
 
     from spark_llm.engine_host import server as engine_server
@@ -176,7 +176,11 @@ def test_a_long_blocking_engine_call_keeps_the_heartbeat_and_is_not_taken_for_a_
 
     class SlowIsolation(FakeLLM):
         def generate(self, prompts, params, lora_request=None, use_tqdm=False):
-            clock.sleep(3.0)
+            ids = self.enqueue(prompts, params)  # as vLLM's generate adds its requests, then steps them to the end
+            for _ in range(60):  # 3 s of steps, each making a token of every request
+                clock.sleep(0.05)
+                self.engine_core.get_output()
+            self.abort_request(ids)
             return super().generate(prompts, params)
 
     monkeypatch.setattr(engine_server, "HEARTBEAT_SECONDS", 0.1)
