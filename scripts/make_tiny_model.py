@@ -239,17 +239,17 @@ def build_embedding(base: Path, out: Path) -> Path:
 
 def build_classifier(base: Path, out: Path, *, seed: int = 0, cross_encoder: bool = False) -> Path:
     """A sequence classifier from the tiny Llama at ``base``: its transformer, and a random head large enough that
-    the sigmoid scores spread over (0, 1). By default multi-label over OpenAI's moderation categories (spark_llm's
-    ``CATEGORIES``; some inputs flagged at 0.5, some not); ``cross_encoder``: one label, a relevance score of a
-    (query, document) pair as vLLM's score task and sentence-transformers' CrossEncoder read such a model. Its
-    tokenizer and chat template are the tiny Llama's."""
+    the sigmoid scores spread over (0, 1). By default multi-label over OpenAI's moderation categories
+    (``config.MODERATION_CATEGORIES``; some inputs flagged at 0.5, some not); ``cross_encoder``: one label, a
+    relevance score of a (query, document) pair as vLLM's score task and sentence-transformers' CrossEncoder read such
+    a model. Its tokenizer and chat template are the tiny Llama's."""
     import torch
     from transformers import LlamaForSequenceClassification
 
-    from spark_llm.endpoints.moderations import CATEGORIES
+    from spark_llm.config import MODERATION_CATEGORIES
 
     base, out = Path(base), Path(out)
-    labels = {0: "LABEL_0"} if cross_encoder else dict(enumerate(CATEGORIES))
+    labels = {0: "LABEL_0"} if cross_encoder else dict(enumerate(MODERATION_CATEGORIES))
     with _model_dir(out) as tmp:
         torch.manual_seed(seed)
         model = LlamaForSequenceClassification.from_pretrained(

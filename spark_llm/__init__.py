@@ -40,7 +40,7 @@ def stop_engines(spark=None) -> list:
     """Stop the engines that hold this host's GPUs (they otherwise stay for ``engine_idle_timeout_seconds`` after
     their last request) and, given a classic session on a cluster, those of the executors its tasks reach (one task
     per core of the cluster: best effort, an executor that runs none keeps its engines). The slots stopped."""
-    from .engine_host import stop_engines_here
+    from .engine_host.client import stop_engines_here
 
     stopped = stop_engines_here()
     if spark is not None and type(spark).__module__.startswith("pyspark.sql.session") and \

@@ -75,7 +75,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         config.batch_id = new_batch_id()
     if not planning:
         from .prepare import preload_tokenizers
-        from .session import local_session_conf, local_task_threads
+        from .session import local_session_conf
+        from .session_info import local_task_threads
         from .warmup import start_before_session
 
         if start_before_session(config, spark_conf, args.master, args.remote):  # a local[N] session: engines load
@@ -116,7 +117,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def _quiet_cancel(spark: Any) -> None:
     """Stop the interrupted run's Spark jobs without the JVM's warnings about every task it kills (the process
     ends next; the session is this command's own)."""
-    from .session import is_connect
+    from .session_info import is_connect
 
     if is_connect(spark):
         return
@@ -159,7 +160,7 @@ def _silence_spark() -> None:
 
 def engines_from_args(args: argparse.Namespace) -> int:
     """``spark-llm engines list|stop``: one line per engine of this host."""
-    from .engine_host import engines_here, stop_engine
+    from .engine_host.client import engines_here, stop_engine
 
     for slot, info in engines_here():
         state = "ready" if info.listening else "starting"

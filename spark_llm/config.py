@@ -14,6 +14,8 @@ from typing import Any, Literal, Mapping, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .engine_host.rates import parse_rates
+
 #: Names from the original design documents -> config fields. Accepted as environment variables and as YAML keys.
 DESIGN_NAMES: dict[str, str] = {
     "MODEL_PATH": "model",
@@ -53,6 +55,11 @@ class ConfigError(ValueError):
     """Bad configuration: the job stops before doing any work, with this message."""
 
 
+#: OpenAI's moderation categories, in the order of its ``Moderation`` type: what ``moderation_labels`` maps a
+#: classifier's labels to.
+MODERATION_CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit",
+                         "illicit/violent", "self-harm", "self-harm/instructions", "self-harm/intent", "sexual",
+                         "sexual/minors", "violence", "violence/graphic")
 #: Settings that belong to one model rather than to the batch: an extra model (:class:`ModelEntry`) starts from
 #: their defaults instead of inheriting the top level's (adapters, parsers and context length are the main model's).
 MODEL_OWN_SETTINGS = ("tokenizer", "max_model_len", "runner", "lora_modules", "reasoning_parser", "tool_call_parser")
@@ -443,20 +450,16 @@ class BatchConfig(BaseModel):
     @field_validator("moderation_labels")
     @classmethod
     def _categories(cls, v: dict[str, str]) -> dict[str, str]:
-        from .endpoints.moderations import CATEGORIES
-
-        unknown = sorted({c for c in v.values() if c and c not in CATEGORIES})
+        unknown = sorted({c for c in v.values() if c and c not in MODERATION_CATEGORIES})
         if unknown:
             raise ValueError(f"{', '.join(unknown)} is no OpenAI moderation category; the categories are "
-                             f"{', '.join(CATEGORIES)} (\"\" leaves a label out)")
+                             f"{', '.join(MODERATION_CATEGORIES)} (\"\" leaves a label out)")
         return v
 
     @field_validator("engine_standin")
     @classmethod
     def _standin(cls, v: Optional[str]) -> Optional[str]:
         if v is not None:
-            from .engine_host.standin import parse_rates
-
             parse_rates(v)
         return v
 

@@ -24,7 +24,8 @@ from .engine_host.placement import (EngineLayout, InferenceResources, config_add
 from .engine_host.protocol import EngineTask
 from .metrics import ListParam
 from .models import resolve, resolve_models, tasks_of
-from .session import URGENT_POOL, default_parallelism, is_connect, local_task_threads, scheduler_pool, spark_conf
+from .session import URGENT_POOL, default_parallelism, scheduler_pool
+from .session_info import is_connect, local_task_threads, spark_conf
 
 
 @dataclass(frozen=True)

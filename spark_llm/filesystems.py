@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, NamedTuple, Optional
 
+from .config import ConfigError
+from .session_info import is_connect
+
 #: URI prefixes of S3 buckets (Hadoop's connectors' spellings; pyarrow's is ``s3://``).
 S3_PREFIXES = ("s3a://", "s3n://", "s3://")
 
@@ -60,8 +63,6 @@ class S3Access:
         if self.encryption is None:
             return {}
         if self.encryption not in SSE_ARGUMENTS:
-            from .config import ConfigError
-
             raise ConfigError(f"fs.s3a.encryption.algorithm {self.encryption}: spark_llm's own writes to S3 take "
                               f"{', '.join(SSE_ARGUMENTS)} (SSE-C needs its key on every read, which they do not "
                               f"send); use one of those, or the bucket's default encryption")
@@ -138,8 +139,6 @@ def hadoop_settings(spark_conf: Mapping[str, str]) -> dict[str, str]:
 def s3_access(spark: Any, uri: Optional[str]) -> Optional[S3Access]:
     """The :class:`S3Access` of ``uri``'s bucket that a classic session's Hadoop settings describe; None for a path
     that is not on S3 or a Spark Connect session (whose Hadoop settings are the server's)."""
-    from .session import is_connect
-
     if not uri or not uri.startswith(S3_PREFIXES) or is_connect(spark):
         return None
     props = spark.sparkContext._jsc.hadoopConfiguration().getPropsWithPrefix("fs.s3a.")

@@ -25,11 +25,12 @@ from .audio import measure as measure_audio
 from .config import PRIORITIES, config_view
 from .endpoints import BY_KIND, Classes, Reply, moderations
 from .endpoints.common import with_request_seed
-from .engine_host import (EngineClient, EngineDied, EngineGone, EngineRequest, EngineSpec, Parse,
-                          ProcessSettings, RequestFailure, TaskPlace, engine_for)
+from .engine_host.client import EngineClient, engine_for
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
-from .engine_host.placement import task_gpus
-from .engine_host.protocol import AudioClip, EngineFaulted
+from .engine_host.placement import TaskPlace, task_gpus
+from .engine_host.protocol import (AudioClip, EngineDied, EngineFaulted, EngineGone, EngineRequest, Parse,
+                                   RequestFailure)
+from .engine_host.spec import EngineSpec, ProcessSettings
 from .errors import ErrorCode, RequestError, truncate
 from .filesystems import S3Access, s3_access
 from .media import AUDIO, MediaPolicy, label, read_media

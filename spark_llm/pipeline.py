@@ -32,7 +32,8 @@ from .models import check_adapters
 from .prepare import (Outcomes, Prepared, PreparingRest, check_size, count_outcomes, prepare_in_parts, prepared,
                       prepares_in_parts_here)
 from .report import Outcome, finish, write_failed_batch
-from .session import check_delta, spark_conf
+from .session import check_delta
+from .session_info import spark_conf
 from .waves import Inferred, infer_in_waves, infer_models
 from .warmup import EngineWarmup
 

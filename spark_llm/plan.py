@@ -26,7 +26,8 @@ from .engine_host.placement import EngineLayout, config_layout
 from .models import check_adapters, resolve, resolve_models
 from .partition import plan_settings
 from .prepare import prepare
-from .session import default_parallelism, local_parallelism, local_session_conf, local_task_threads, spark_conf
+from .session import default_parallelism, local_session_conf
+from .session_info import local_parallelism, local_task_threads, spark_conf
 
 
 @dataclass(frozen=True)

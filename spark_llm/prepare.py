@@ -131,7 +131,7 @@ def prepares_in_process(spark: SparkSession, cfg: BatchConfig) -> bool:
 
 def _bytes_prepared_in_process(spark: SparkSession, cfg: BatchConfig) -> Optional[int]:
     """The size of the run's input when it is prepared in this process (:func:`prepares_in_process`), else None."""
-    from .session import is_connect, is_local_master, local_task_threads, spark_conf
+    from .session_info import is_connect, is_local_master, local_task_threads, spark_conf
 
     conf = spark_conf(spark)
     if cfg.input_table or is_connect(spark) or not is_local_master(conf):

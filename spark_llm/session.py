@@ -16,9 +16,11 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 from pyspark.sql import SparkSession
 
-from .engine_host import LOCAL_EXECUTOR_ENV, apply_worker_env
+from .engine_host.directory import LOCAL_EXECUTOR_ENV
+from .engine_host.spec import apply_worker_env
 from .engine_host.isolation import RECOMMENDED_TASK_ATTEMPTS
 from .host import process_alive
+from .session_info import is_connect, is_local_master, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -360,19 +362,6 @@ def _record_delta_jars(jars: str, s3a: bool = False) -> None:
         os.replace(tmp, record)
 
 
-def is_connect(spark: SparkSession) -> bool:
-    """A Spark Connect session (Databricks serverless, shared clusters, Databricks Connect, ``--remote``): no
-    SparkContext, JVM or accumulators in this process."""
-    return type(spark).__module__.startswith("pyspark.sql.connect")
-
-
-def spark_conf(spark: SparkSession) -> dict[str, str]:
-    """The session's settings, the cluster's (``spark.master``, executor resources ...) included."""
-    if is_connect(spark):
-        return dict(spark.conf.getAll)
-    return dict(spark.sparkContext.getConf().getAll())
-
-
 def local_worker_env(spark_conf: Mapping[str, str]) -> dict[str, str]:
     """The environment a local session's Python workers get, for a process they would otherwise start (the
     engines, started from the driver): this process's environment (which the session's JVM inherited), the
@@ -390,30 +379,10 @@ def jvm_pid(spark: SparkSession) -> int:
     return int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
 
 
-def is_local_master(spark_conf: Mapping[str, str]) -> bool:
-    """The session runs in one process (``local``, ``local[N]``, ``local[N,F]``): its executor is on this host."""
-    return re.fullmatch(r"local(\[[^\]]*\])?", spark_conf.get("spark.master", "").strip()) is not None
-
-
 def local_session_conf(master: Optional[str], settings: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The settings of the local session :func:`get_session` would start for ``master`` and the config's ``spark:``
     ``settings`` (before it starts; the cluster's own are not known then), which win over the master as there."""
     return {**LOCAL_DEFAULTS, "spark.master": with_task_retries(master or "local[2]"), **dict(settings or {})}
-
-
-def local_parallelism(spark_conf: Mapping[str, str]) -> int:
-    """The default parallelism of a local session with these settings (``SparkContext.defaultParallelism``)."""
-    return int(spark_conf.get("spark.default.parallelism") or local_task_threads(spark_conf) or 1)
-
-
-def local_task_threads(spark_conf: Mapping[str, str]) -> Optional[int]:
-    """The task threads of a local master (``local[N]``, ``local[N,F]``, ``local[*]``: the host's cores;
-    ``local``: 1), else None."""
-    match = re.fullmatch(r"local(?:\[([^,\]]*)(?:,[^\]]*)?\])?", spark_conf.get("spark.master", "").strip())
-    if match is None:
-        return None
-    threads = (match.group(1) or "1").strip()
-    return os.cpu_count() or 1 if threads == "*" else int(threads) if threads.isdigit() else None
 
 
 @contextlib.contextmanager

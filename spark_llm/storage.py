@@ -28,7 +28,7 @@ from pyspark.sql import functions as F
 from .config import ConfigError
 from .schemas import table_schema
 from .filesystems import python_filesystem, store_failure
-from .session import is_connect
+from .session_info import is_connect
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,14 @@ from typing import Iterator, Mapping, Optional
 from .background import EngineJob
 from .config import BatchConfig, config_view
 from .context import RunContext
-from .engine_host import EngineSpec, Executor, ProcessSettings, TaskPlace, engine_for, prestart, prestart_slots
-from .engine_host.placement import config_added_executors, config_layout, has_gpus, inference_profile, task_gpus
+from .engine_host.client import Executor, engine_for, prestart, prestart_slots
+from .engine_host.placement import (TaskPlace, config_added_executors, config_layout, has_gpus, inference_profile,
+                                    task_gpus)
+from .engine_host.spec import EngineSpec, ProcessSettings
 from .infer import InferContext
 from .models import resolve
-from .session import (is_connect, is_local_master, local_executor, local_parallelism, local_session_conf,
-                      local_task_threads, local_worker_env, set_local_environment, spark_conf)
+from .session import local_executor, local_session_conf, local_worker_env, set_local_environment
+from .session_info import is_connect, is_local_master, local_parallelism, local_task_threads, spark_conf
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,8 @@ from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions, plan_settings
 from .prepare import LocalRows, Outcomes
 from .schemas import RESULT_SCHEMA
-from .session import FIRST_POOL, URGENT_POOL, WAVES_POOL, is_connect, scheduler_pool
+from .session import FIRST_POOL, URGENT_POOL, WAVES_POOL, scheduler_pool
+from .session_info import is_connect
 from .warmup import EngineWarmup
 
 log = logging.getLogger(__name__)

@@ -121,15 +121,15 @@ def test_every_line_once_answered_in_openais_and_vllms_shapes(spark, moderated):
 
 @pytest.mark.engine
 def test_moderation_scores_are_the_classifiers_probabilities_under_openais_names(spark, moderated):
-    from spark_llm.endpoints.moderations import CATEGORIES
+    from spark_llm.config import MODERATION_CATEGORIES
 
     bodies = {cid: json.loads(r["response_body"]) for cid, r in outputs(spark, moderated).items()}
     classified = bodies["cls-list"]["data"]
     moderated_list = bodies["mod-list"]["results"]
     # the tiny model's labels are OpenAI's categories in its order: the same text, the same probabilities
     for probs, res in zip([d["probs"] for d in classified], moderated_list):
-        assert [res["category_scores"][c] for c in CATEGORIES] == pytest.approx(probs, abs=1e-5)
-    assert all(d["label"] == CATEGORIES[max(range(13), key=d["probs"].__getitem__)] for d in classified)
+        assert [res["category_scores"][c] for c in MODERATION_CATEGORIES] == pytest.approx(probs, abs=1e-5)
+    assert all(d["label"] == MODERATION_CATEGORIES[max(range(13), key=d["probs"].__getitem__)] for d in classified)
     assert bodies["mod-one"]["results"][0]["category_scores"] == pytest.approx(moderated_list[0]["category_scores"],
                                                                               abs=1e-5)
     # use_activation false: the raw logits, whose sigmoid is the multi-label classifier's probability

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
+from ..config import MODERATION_CATEGORIES
 from ..engine_host.protocol import EngineTask
 from . import common, completions
 from .common import Answer, Checked, Classes, Reply, invalid, json_type, unsupported
@@ -23,11 +24,6 @@ TASK = EngineTask.CLASSIFY
 FIELDS = common.HARMLESS_FIELDS | {"input"}
 MAX_INPUTS = 2048
 
-#: OpenAI's moderation categories, in the order of its ``Moderation`` type.
-CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
-              "self-harm", "self-harm/instructions", "self-harm/intent", "sexual", "sexual/minors", "violence",
-              "violence/graphic")
-
 #: text inputs get the tokenizer's special tokens, as vLLM's classify endpoint does
 prompt_texts, ADD_SPECIAL_TOKENS = completions.prompt_texts, completions.ADD_SPECIAL_TOKENS
 
@@ -36,7 +32,7 @@ def categories(labels: Sequence[str], mapping: Mapping[str, str]) -> tuple[Optio
     """The OpenAI category each of a classifier's ``labels`` counts for: ``mapping[label]`` when given ("" for
     none), else the category its name spells, compared without case and with ``_`` or ``-`` for ``/``
     (``HATE_THREATENING``, ``self_harm``); a label naming no category counts for none."""
-    spelled = {_spelling(c): c for c in CATEGORIES}
+    spelled = {_spelling(c): c for c in MODERATION_CATEGORIES}
     return tuple((mapping[label] or None) if label in mapping else spelled.get(_spelling(label)) for label in labels)
 
 
@@ -95,24 +91,24 @@ def _parts_text(parts: list[dict]) -> str:
 def result(probs: Sequence[float], meaning: Classes) -> tuple[dict[str, float], list[str]]:
     """Each OpenAI category's score (0 for one the model has no label for) and the flagged categories, in OpenAI's
     order."""
-    scores = dict.fromkeys(CATEGORIES, 0.0)
+    scores = dict.fromkeys(MODERATION_CATEGORIES, 0.0)
     for p, category in zip(probs, meaning.categories):
         if category is not None:
             scores[category] = max(scores[category], float(p))
-    return scores, [c for c in CATEGORIES if scores[c] >= meaning.threshold]
+    return scores, [c for c in MODERATION_CATEGORIES if scores[c] >= meaning.threshold]
 
 
 def respond(outputs: list, reply: Reply) -> Answer:
-    results, highest, flagged_any = [], dict.fromkeys(CATEGORIES, 0.0), set()
+    results, highest, flagged_any = [], dict.fromkeys(MODERATION_CATEGORIES, 0.0), set()
     for out in outputs:
         scores, flagged = result(out.probs, reply.classes)
-        results.append({"flagged": bool(flagged), "categories": {c: c in flagged for c in CATEGORIES},
+        results.append({"flagged": bool(flagged), "categories": {c: c in flagged for c in MODERATION_CATEGORIES},
                         "category_scores": scores,
-                        "category_applied_input_types": {c: ["text"] for c in CATEGORIES}})
-        highest = {c: max(highest[c], scores[c]) for c in CATEGORIES}
+                        "category_applied_input_types": {c: ["text"] for c in MODERATION_CATEGORIES}})
+        highest = {c: max(highest[c], scores[c]) for c in MODERATION_CATEGORIES}
         flagged_any.update(flagged)
     tokens = sum(len(out.prompt_token_ids) for out in outputs)
     body = {"id": f"modr-{common.id_suffix(reply.request_id)}", "model": reply.model, "results": results}
     return Answer(body, None, None, tokens, 0, flagged=bool(flagged_any),
-                  labels=[c for c in CATEGORIES if c in flagged_any], category_scores=highest)
+                  labels=[c for c in MODERATION_CATEGORIES if c in flagged_any], category_scores=highest)
 

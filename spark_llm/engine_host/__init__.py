@@ -8,17 +8,32 @@ the executor's life, fed by the inference tasks over a Unix socket.
 - :mod:`.client`: the tasks' side (feeds, start, stop);
 - :mod:`.server`: the engine process (``python -m spark_llm.engine_host.server``);
 - :mod:`.isolation`: no single request takes the batch down.
+
+The names below are imported from their modules when first asked for, so that importing one module of the package
+(the protocol, say) imports no other: the package's own code imports each name from its module.
 """
 
-from .client import (EngineClient, Executor, engine_for, engines_here, prestart, prestart_slots, stop_engine,
-                     stop_engines_here)
-from .placement import TaskPlace
-from .directory import ENGINE_DIR_ENV, LOCAL_EXECUTOR_ENV, Slot, engine_dir, read_events
-from .protocol import EngineDied, EngineGone, EngineRequest, EngineTask, Output, Parse, RequestFailure
-from .spec import VLLM_MIN_VERSION, EngineSpec, ProcessSettings, apply_worker_env
+from __future__ import annotations
 
-__all__ = ["ENGINE_DIR_ENV", "LOCAL_EXECUTOR_ENV", "VLLM_MIN_VERSION", "EngineClient", "EngineDied", "EngineGone",
-           "EngineRequest", "EngineSpec", "EngineTask", "Executor", "Output", "Parse", "ProcessSettings",
-           "RequestFailure", "Slot", "TaskPlace",
-           "apply_worker_env", "engine_dir", "engine_for", "engines_here", "prestart", "prestart_slots",
-           "read_events", "stop_engine", "stop_engines_here"]
+import importlib
+from typing import Any
+
+#: The package's public names, each with the module that defines it.
+PUBLIC = {
+    "EngineClient": "client", "Executor": "client", "engine_for": "client", "engines_here": "client",
+    "prestart": "client", "prestart_slots": "client", "stop_engine": "client", "stop_engines_here": "client",
+    "TaskPlace": "placement",
+    "ENGINE_DIR_ENV": "directory", "LOCAL_EXECUTOR_ENV": "directory", "Slot": "directory", "engine_dir": "directory",
+    "read_events": "directory",
+    "EngineDied": "protocol", "EngineGone": "protocol", "EngineRequest": "protocol", "EngineTask": "protocol",
+    "Output": "protocol", "Parse": "protocol", "RequestFailure": "protocol",
+    "VLLM_MIN_VERSION": "spec", "EngineSpec": "spec", "ProcessSettings": "spec", "apply_worker_env": "spec",
+}
+
+__all__ = sorted(PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{PUBLIC[name]}"), name)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..config import BatchConfig, ConfigError
 from ..errors import EngineStartError
+from ..session_info import is_connect, is_local_master
 from .directory import Slot
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ def _amount(spark_conf: Mapping[str, str], key: str) -> float:
 
 def dynamic_allocation(spark_conf: Mapping[str, str]) -> bool:
     """Spark adds and removes executors as the backlog asks (a local master has no dynamic allocation)."""
-    from ..session import is_local_master
-
     return str(spark_conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true" and \
         not is_local_master(spark_conf)
 
@@ -417,8 +416,6 @@ class Capacity:
 def cluster_capacity(spark: Any) -> Optional[Capacity]:
     """The live executors of ``spark``'s application and the GPUs Spark gave them, from its status store (what the
     Spark UI's Executors page shows); None over Spark Connect, whose client has no view of them."""
-    from ..session import is_connect, is_local_master
-
     if is_connect(spark):
         return None
     local = is_local_master({"spark.master": spark.sparkContext.master})  # its driver runs the tasks

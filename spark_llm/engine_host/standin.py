@@ -30,41 +30,14 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from ..errors import EngineStartError
 from .protocol import EngineRequest, Parse, RequestFailure
+from .rates import PROFILES, Rates, parse_rates
 
-
-@dataclass(frozen=True)
-class Rates:
-    """How fast a stand-in engine is (see the module docs for the model)."""
-
-    prefill_tokens_per_second: float
-    decode_tokens_per_second: float  #: generated tokens per second of the whole engine with a full batch
-    max_num_seqs: int                #: sequences decoded at once
-    start_seconds: float = 0.0       #: the engine's load
-
-    @property
-    def step_seconds(self) -> float:
-        return self.max_num_seqs / self.decode_tokens_per_second
-
-
-#: Named rates, after a GPU class and model size: an 8B model in bf16 with vLLM's offline defaults (1024 sequences on
-#: an H100 or H200), decode rates after MLPerf Inference's Llama-3.1-8B offline results (5,777 tokens/s on one
-#: H100 with vLLM), prefill at about half of the GPU's dense bf16 peak. ``free`` costs nothing: the job's own ceiling.
-PROFILES = {
-    "h200-8b": Rates(prefill_tokens_per_second=30_000, decode_tokens_per_second=8_000, max_num_seqs=1024,
-                     start_seconds=60),
-    "h100-8b": Rates(prefill_tokens_per_second=20_000, decode_tokens_per_second=5_800, max_num_seqs=1024,
-                     start_seconds=60),
-    "l4-8b": Rates(prefill_tokens_per_second=4_000, decode_tokens_per_second=900, max_num_seqs=256,
-                   start_seconds=90),
-    "free": Rates(prefill_tokens_per_second=math.inf, decode_tokens_per_second=math.inf, max_num_seqs=1024,
-                  start_seconds=0),
-}
 
 #: A generation request whose ``stop`` list holds this fails in the engine (an ``engine_error`` row).
 FAIL_MARKER = "spark-llm-standin:fail"
@@ -75,31 +48,6 @@ MAX_STEP_SECONDS = 0.1
 #: The stand-in's vocabulary: its token ids index these words.
 WORDS = tuple("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
               "quebec romeo sierra tango uniform victor whiskey xray yankee zulu one two three four five six".split())
-
-
-def parse_rates(value: str) -> Rates:
-    """The rates a setting names: a profile (:data:`PROFILES`), optionally followed by fields of :class:`Rates` to
-    change, e.g. ``h200-8b`` or ``h200-8b,start_seconds=0,max_num_seqs=256``. Raises ValueError with what is
-    allowed."""
-    name, *changes = [part.strip() for part in value.split(",")]
-    if name not in PROFILES:
-        raise ValueError(f"unknown engine stand-in {name!r}: one of {', '.join(PROFILES)}, optionally followed by "
-                         f",field=value (fields: {', '.join(Rates.__dataclass_fields__)})")
-    rates = PROFILES[name]
-    for change in changes:
-        key, _, number = change.partition("=")
-        key = key.strip()
-        if key not in Rates.__dataclass_fields__:
-            raise ValueError(f"engine stand-in {value!r}: no field {key!r} (fields: "
-                             f"{', '.join(Rates.__dataclass_fields__)})")
-        try:
-            parsed = int(number) if key == "max_num_seqs" else float(number)
-        except ValueError:
-            raise ValueError(f"engine stand-in {value!r}: {key} must be a number, not {number!r}") from None
-        if parsed < 0 or (parsed == 0 and key != "start_seconds"):
-            raise ValueError(f"engine stand-in {value!r}: {key} must be positive")
-        rates = replace(rates, **{key: parsed})
-    return rates
 
 
 # ---- the rate model --------------------------------------------------------------------------------------------

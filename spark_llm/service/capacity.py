@@ -70,7 +70,8 @@ class GpuHold:
         from ..context import gpu_profile
         from ..engine_host.placement import config_added_executors, config_layout
         from ..models import resolve
-        from ..session import default_parallelism, local_task_threads, spark_conf
+        from ..session import default_parallelism
+        from ..session_info import local_task_threads, spark_conf
 
         conf = spark_conf(spark)
         if config_added_executors(base, conf) is None:  # before the model is resolved: most sessions end here
@@ -118,7 +119,7 @@ class GpuHold:
 
     def _run(self, engines: int) -> None:
         from ..config import config_view
-        from ..engine_host import EngineSpec, ProcessSettings
+        from ..engine_host.spec import EngineSpec, ProcessSettings
         from ..infer import InferContext
         from ..warmup import hold_partition
 

@@ -124,7 +124,7 @@ def _engines() -> Iterator[Any]:
 
     from prometheus_client.core import CounterMetricFamily
 
-    from ..engine_host import engines_here
+    from ..engine_host.client import engines_here
     from ..engine_host.directory import SlotFile
     from ..engine_host.protocol import SlotStats
     from ..host import read_record
