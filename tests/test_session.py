@@ -189,3 +189,62 @@ def test_a_cluster_s_master_on_the_command_line_keeps_the_cluster_s_settings_and
         conf = session_conf(master)
         assert LOCAL_DEFAULTS.items() <= conf.items() and conf["spark.pyspark.python"] == sys.executable
     assert session_conf("local[2]", {"spark.sql.shuffle.partitions": "64"})["spark.sql.shuffle.partitions"] == "64"
+
+
+def test_packages_resolve_from_maven_central_alone_unless_the_settings_name_repositories(tmp_path, monkeypatch):
+    import xml.etree.ElementTree as ET
+
+    def roots(text):
+        return [r.get("root") for r in ET.fromstring(text).iter("ibiblio")]
+    assert roots(session.ivy_settings()) == ["file:${user.home}/.m2/repository/", session.MAVEN_CENTRAL]
+    mirror = "https://mirror.example/maven2/?a=1&b=2"
+    assert roots(session.ivy_settings([mirror])) == ["file:${user.home}/.m2/repository/", mirror]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    own = {"spark.jars.ivySettings": "/etc/ivy.xml"}
+    assert session.with_own_resolvers(own) == own  # the user's Ivy settings win
+    ours = session.with_own_resolvers({"spark.jars.repositories": mirror})
+    assert roots(open(ours["spark.jars.ivySettings"]).read())[1:] == [mirror]
+    assert ours["spark.jars.ivy"] == os.path.expanduser(session.SPARK_IVY_DIR)  # what Spark downloaded stays found
+
+
+def test_a_session_resolving_packages_asks_no_repository_it_was_not_given(tmp_path):
+    """A JVM of its own resolves a small package from Maven Central into an empty Ivy directory: Ivy's report names
+    central alone, and prints no problem (Spark's own chain tries repos.spark-packages.org for every artifact, which
+    this machine cannot reach: a problem line each)."""
+    script = (
+        "from pyspark.sql import SparkSession\n"
+        "from spark_llm.session import with_own_resolvers\n"
+        f"conf = with_own_resolvers({{'spark.jars.ivy': {str(tmp_path / 'ivy')!r}, "
+        "'spark.jars.packages': 'org.slf4j:slf4j-api:2.0.13', 'spark.ui.enabled': 'false'})\n"
+        "builder = SparkSession.builder.master('local[1]')\n"
+        "for key, value in conf.items():\n"
+        "    builder = builder.config(key, value)\n"
+        "spark = builder.getOrCreate()\n"
+        "print('jars:', spark.sparkContext.getConf().get('spark.jars'))\n"
+        "spark.stop()\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    printed = run.stdout + run.stderr
+    assert "slf4j-api-2.0.13.jar" in run.stdout
+    assert "problems summary" not in printed and "spark-packages" not in printed
+    assert "found org.slf4j#slf4j-api;2.0.13 in repo-1" in printed  # Maven Central, as our settings name it
+
+
+def test_a_local_session_s_console_holds_no_warning_a_user_cannot_act_on(tmp_path):
+    """A local session as spark_llm starts one (a JVM of its own, in a process of its own), running a query whose
+    plan is wider than Spark prints whole: none of the start-up and plan-text warnings Spark prints by default."""
+    script = (
+        "from spark_llm.session import get_session\n"
+        "spark = get_session('local[1]', {'spark.ui.enabled': 'false'})\n"
+        "wide = spark.range(3).selectExpr(*[f'id + {k} AS c{k}' for k in range(40)])\n"
+        "print('rows:', wide.where('c39 > 0').count())\n"
+        "spark.stop()\n")
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_IP"}
+    run = subprocess.run([sys.executable, "-c", script], env={**env, "SPARK_LLM_ENGINE_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "rows: 3" in run.stdout
+    quiet = ("Truncated the string representation", "NativeCodeLoader", "resolves to a loopback address",
+             "Using Spark's default log4j profile", "Setting default log level", "problems summary")
+    assert [line for line in run.stderr.splitlines() if any(q in line for q in quiet)] == []
