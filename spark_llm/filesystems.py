@@ -167,6 +167,9 @@ class Refusal(str, Enum):
            "run again: --resume keeps what was answered)"
     UNREACHABLE = "the store's endpoint cannot be reached (check the endpoint and the network between the cluster " \
                   "and it: fs.s3a.endpoint or AWS_ENDPOINT_URL)"
+    ENCRYPTION = "the S3A connector knows no such encryption (set fs.s3a.encryption.algorithm, or " \
+                 "fs.s3a.bucket.<bucket>.encryption.algorithm, to SSE-S3, SSE-KMS, DSSE-KMS, SSE-C or CSE-KMS, or " \
+                 "leave it unset)"
 
 
 class StoreFailure(NamedTuple):
@@ -188,6 +191,7 @@ _REFUSALS = (
                                      r"|NoAuthWithAWSException|No AWS Credentials|InvalidAuthenticationInfo")),
     (Refusal.DENIED, re.compile(r"AccessDenied|AuthorizationPermissionMismatch|403 Forbidden|Status Code: 403")),
     (Refusal.GONE, re.compile(r"FAILED_READ_FILE\.FILE_NOT_EXIST|java\.io\.FileNotFoundException")),
+    (Refusal.ENCRYPTION, re.compile(r"Unknown encryption algorithm|Unknown Server Side Encryption method")),
     (Refusal.UNREACHABLE, re.compile(r"java\.net\.UnknownHostException|java\.net\.ConnectException"
                                      r"|Connection refused|Unable to execute HTTP request")),
 )

@@ -230,9 +230,10 @@ def test_a_store_s_refusals_are_told_apart_by_their_text():
     gone = ("org.apache.spark.SparkException: [FAILED_READ_FILE.FILE_NOT_EXIST] Encountered error while reading file "
             "s3a://lake/in/b.jsonl. File does not exist.")
     down = "Caused by: java.net.ConnectException: Connection refused"
+    sealed = "java.io.IOException: Unknown encryption algorithm AES-9"
     assert [store_failure(f"An error occurred while calling o60.globStatus.\n: {t}\n\tat org.apache.x(X.java:1)").reason
-            for t in (bucket, head, key, gone, down)] == [
-        Refusal.NO_BUCKET, Refusal.DENIED, Refusal.CREDENTIALS, Refusal.GONE, Refusal.UNREACHABLE]
+            for t in (bucket, head, key, gone, down, sealed)] == [
+        Refusal.NO_BUCKET, Refusal.DENIED, Refusal.CREDENTIALS, Refusal.GONE, Refusal.UNREACHABLE, Refusal.ENCRYPTION]
     assert store_failure(bucket).detail == bucket  # the store's own line, kept
     assert store_failure("[DELTA_CONCURRENT_APPEND] Files were added") is None  # not the store's: raised as it is
     assert len(store_failure(f"{gone} {'x' * 1000}").detail) < 400
@@ -283,6 +284,18 @@ def test_a_bucket_that_does_not_exist_is_one_clear_message(bad_input):
     assert "Status Code: 404" in message  # the store's own words
     assert refused(output_dir="s3a://no-such-bucket/run").startswith(
         "--output-dir 's3a://no-such-bucket/run': the bucket")
+
+
+@pytest.mark.engine
+def test_an_encryption_the_s3a_connector_does_not_know_is_one_message_naming_the_setting(spark, bad_input):
+    """S3A's own refusal of the bucket's filesystem (a Java IOException as it is made): a bad setting, so one
+    message that names it, and no word of --resume."""
+    client, refused = bad_input
+    client.create_bucket(Bucket="sealed")
+    spark.sparkContext._jsc.hadoopConfiguration().set("fs.s3a.bucket.sealed.encryption.algorithm", "AES-9")
+    message = refused(output_dir="s3a://sealed/run")
+    assert message.startswith("--output-dir 's3a://sealed/run': the S3A connector knows no such encryption")
+    assert "fs.s3a.encryption.algorithm" in message and "AES-9" in message and "resume" not in message
 
 
 @pytest.mark.engine
