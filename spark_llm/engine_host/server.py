@@ -767,7 +767,7 @@ def could_not_start(slot: Slot, args: argparse.Namespace, why: str) -> None:
         start_failed_marker(slot, args.key, args.run_id).write_text(why)
 
 
-def serve(argv: Optional[Sequence[str]] = None) -> int:
+def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m spark_llm.engine_host.server")
     p.add_argument("--slot", action="append", required=True,
                    help="the slot to serve; given more than once (CPU slots only), a forked process serves each")
@@ -779,25 +779,16 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--run-id", default="", help="the run this server was started ahead of (its start failure is the "
                                                 "run's: start_failed_marker)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
-    egress.watch(lambda found: event(event="egress", pid=os.getpid(), **found._asdict()))  # before vLLM's import
-    launcher, t0 = None, time.monotonic()
-    settings = json.loads(Path(args.spec_file).read_text())
-    standin = bool(settings.get("engine_standin"))  # no vLLM, torch or tokenizer to import (standin.py)
-    if len(args.slot) > 1:
-        if args.devices:
-            p.error("several slots share a process only without devices")
-        if not standin:
-            log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
-            with tokenizer_class_decided(settings):  # its modules, imported here, serve the engines' tokenizers too
-                import_engine(ENGINE_MODULES)
-        slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
-    else:
-        slot = Slot(args.slot[0], tuple(d for d in args.devices.split(",") if d))
-    server = EngineServer(slot, args.key, args.watch_pid, args.idle_timeout)
-    threading.Thread(target=server.watch, name="watch", daemon=True).start()
-    device_locks = []
-    for device in slot.devices:  # held until the process ends: never two engines on one device
+    if len(args.slot) > 1 and args.devices:
+        p.error("several slots share a process only without devices")
+    return args
+
+
+def lock_devices(server: EngineServer, args: argparse.Namespace) -> list[int]:
+    """A lock on each of the slot's devices, held until the process ends (never two engines on one device), once
+    whatever an engine before left holding them is ended; the start fails when one stays held too long."""
+    slot, locks = server.slot, []
+    for device in slot.devices:
         deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
         while (fd := try_lock(device_lock(device))) is None:
             if time.monotonic() > deadline:
@@ -809,16 +800,14 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
             log.warning("GPU %s: ended %d process(es) that the engine before left holding it: %s", device, len(left),
                         left)
         record_holder(fd, process_record(os.getpid(), devices=slot.devices))
-        device_locks.append(fd)
-    event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
+        locks.append(fd)
+    return locks
 
-    if launcher is None:
-        t0 = time.monotonic()
-        if not standin:
-            with tokenizer_class_decided(settings):
-                import_engine()
-    spec = seeded_for(EngineSpec(settings=settings), slot.name)
-    began = time.time()
+
+def build_into(server: EngineServer, spec: EngineSpec, args: argparse.Namespace) -> None:
+    """The slot's engine (vLLM's, or the stand-in) and what the server needs of it; the process ends with the
+    reason written for whoever waits when it cannot start."""
+    slot, began = server.slot, time.time()
     if (injected := faults.engine_start_failure(slot.devices)) is not None:
         could_not_start(slot, args, injected)
         server.stop("engine could not start", code=1)
@@ -826,7 +815,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     def copying(seconds: Optional[float]) -> None:  # for the start's time limit, which leaves the copy out
         write_private(slot.path(SlotFile.COPY), {"pid": os.getpid(), "began_at": began, "seconds": seconds})
     try:
-        if standin:
+        if spec.settings.get("engine_standin"):
             from . import standin as stand_in
 
             server.engine, server.inputs, server.parsers = stand_in.build_standin(spec.settings), \
@@ -847,11 +836,14 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         log.error("engine for slot %s could not start: %s", slot.name, exc)
         could_not_start(slot, args, str(exc))
         server.stop("engine could not start", code=1)
-    load_s = time.monotonic() - t0
-    threading.Thread(target=server.run, name="engine", daemon=True).start()
 
+
+def listen(server: EngineServer, args: argparse.Namespace, launcher: Optional[int], load_s: float) -> None:
+    """Say the engine is ready (its record, with the socket's key) and serve each task's connection in a thread of
+    its own, for the process's life."""
     from multiprocessing.connection import Listener
 
+    slot = server.slot
     authkey = os.urandom(16).hex()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(slot.socket())
@@ -863,7 +855,7 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
         if (starting := slot.starting_record()) is not None and starting.pid == os.getpid():
             slot.path(SlotFile.STARTING).unlink()
     event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
-           load_seconds=round(load_s, 3))
+          load_seconds=round(load_s, 3))
     log.info("engine for slot %s ready in %.1fs", slot.name, load_s)
     while True:
         try:
@@ -872,6 +864,39 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
             continue
         server.last_used = time.monotonic()
         threading.Thread(target=server.serve_connection, args=(conn,), daemon=True).start()
+
+
+def serve(argv: Optional[Sequence[str]] = None) -> int:
+    """The engine process: its slot (or, started for several CPU slots, a forked process for each once vLLM is
+    imported), the devices locked, the engine built, then the tasks served."""
+    args = _arguments(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
+    egress.watch(lambda found: event(event="egress", pid=os.getpid(), **found._asdict()))  # before vLLM's import
+    launcher, t0 = None, time.monotonic()
+    settings = json.loads(Path(args.spec_file).read_text())
+    standin = bool(settings.get("engine_standin"))  # no vLLM, torch or tokenizer to import (standin.py)
+    if len(args.slot) > 1:
+        if not standin:
+            log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
+            with tokenizer_class_decided(settings):  # its modules, imported here, serve the engines' tokenizers too
+                import_engine(ENGINE_MODULES)
+        slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
+    else:
+        slot = Slot(args.slot[0], tuple(d for d in args.devices.split(",") if d))
+    server = EngineServer(slot, args.key, args.watch_pid, args.idle_timeout)
+    threading.Thread(target=server.watch, name="watch", daemon=True).start()
+    lock_devices(server, args)  # held as long as the process: their descriptors are never closed
+    event(event="start", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key)
+    if launcher is None:
+        t0 = time.monotonic()
+        if not standin:
+            with tokenizer_class_decided(settings):
+                import_engine()
+    build_into(server, seeded_for(EngineSpec(settings=settings), slot.name), args)
+    load_s = time.monotonic() - t0
+    threading.Thread(target=server.run, name="engine", daemon=True).start()
+    listen(server, args, launcher, load_s)
+    return 0
 
 
 if __name__ == "__main__":
