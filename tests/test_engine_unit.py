@@ -663,6 +663,34 @@ def test_an_engine_that_makes_tokens_for_longer_than_the_call_timeout_is_not_hun
     assert [r.outputs[0].text for r in got] == ["t10"] and serving.server.progress >= 100
 
 
+def test_an_engine_stuck_in_a_call_ends_itself_once_its_executor_is_gone(monkeypatch):
+    """The executor that started the engine is gone while the engine loop is stuck in a blocking call (which never
+    reads the loop's stop): the watch thread ends the process itself, without asking the stuck engine to shut
+    down first."""
+    import threading
+
+    monkeypatch.setattr("spark_llm.engine_host.server.STOP_TIMEOUT_SECONDS", 2.0)
+    stuck = threading.Event()
+
+    class Stuck(FakeLLM):
+        def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+            stuck.set()
+            threading.Event().wait()  # a step loop that never ends
+    serving = Serving(Stuck(step_fails=1))
+    stopped = []
+
+    def stop(reason, code=0, shutdown=True):
+        stopped.append((reason, shutdown))
+        threading.Event().wait()
+    serving.server.stop = stop
+    threading.Thread(target=lambda: serving.client().stream([request(10)], lambda i, r: None), daemon=True).start()
+    until(stuck.is_set)
+    serving.server.watch_pid = -1  # no such process: the executor is gone
+    threading.Thread(target=serving.server.watch, daemon=True).start()
+    until(lambda: stopped)
+    assert stopped == [("executor gone while the engine was stuck in a call", False)]
+
+
 def streams_at_once(serving, calls):
     """Each list of requests in ``calls`` streamed by a client of its own, at the same time; each one's results."""
     import threading
