@@ -153,6 +153,8 @@ def main(argv=None) -> int:
                    "--batches batches of --requests lines each on the idle service")
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--max-running-batches", type=int, default=1, help="the service's batches run at once")
+    p.add_argument("--engine-standin", default=None, help="the engine stand-in's rates (engine_standin) instead "
+                   "of vLLM: the same engine servers, placement and faults, without vLLM's start and CPU")
     args = p.parse_args(argv)
     args.dynamic = args.dynamic or args.service
     import pyspark
@@ -202,7 +204,8 @@ def main(argv=None) -> int:
         target = max(1, args.requests * 22 // (4 * args.workers * args.gpus))  # about 4 partitions per engine
         engine = ["--model", args.model, "--max-model-len", "512", "--max-num-seqs", "32", "--dtype", "bfloat16",
                   "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--target-tokens-per-partition",
-                  str(target), *gpu_settings]
+                  str(target), *gpu_settings,
+                  *(["--engine-standin", args.engine_standin] if args.engine_standin else [])]
         if args.service:
             (out / "keys.txt").write_text(f"{SERVICE_KEY}\n")
             program = [str(ROOT / "jobs" / "serve.py"), "--storage", str(out / "service"), "--host", "127.0.0.1",

@@ -88,10 +88,11 @@ def test_a_tensor_parallel_group_gets_one_engine_on_all_its_gpus(tiny_model, tmp
 
 def test_an_executor_killed_mid_wave_loses_nothing(tiny_model, tmp_path):
     """Two executors without GPUs; one executor's JVM is killed (SIGKILL) as an engine call holding the middle
-    request starts. Spark reruns its tasks on the other executor; the batch finishes with every line exactly once."""
+    request starts. Spark reruns its tasks on the other executor; the batch finishes with every line exactly once.
+    The engine stand-in answers (an L4's rates): the drill is about Spark's retry and the partition's journal."""
     requests = 120
     got = run_cluster(tiny_model, tmp_path, "--requests", str(requests), "--gpus", "0", "--executors", "2",
-                      "--cores", "1", "--kill-executor")
+                      "--cores", "1", "--kill-executor", "--engine-standin", "l4-8b,max_num_seqs=32,start_seconds=5")
     assert got["executor_killed"] and "Lost executor" in got["log"]
     assert (got["completed"], got["failed"], got["output_lines"]) == (requests, 0, requests)
     assert sum(m["rows"] for m in got["metrics"]) == requests

@@ -2,7 +2,13 @@
 standalone cluster (the installed pyspark's own master and two workers, on this machine, each worker with two fake
 GPUs and an engine directory of its own, as separate hosts would have), one worker killed mid-wave
 (scripts/standalone_cluster.py): a batch job, the same with dynamic allocation, and the batch service on the elastic
-cluster. Asserted from the batches' files and the engines' own records."""
+cluster. Asserted from the batches' files and the engines' own records.
+
+The engines are the stand-in (:data:`STANDIN`): what these drills prove is Spark's and the engine host's (placement
+on each worker's GPUs, a node lost mid-wave, dynamic allocation, the service's hold on GPU executors), which the
+stand-in goes through as vLLM does (the same engine servers, device locks, feeds and faults), without four vLLM
+imports on two cores. vLLM's own failures are proven with vLLM (tests/test_sampling_seeds.py, tests/test_faults.py,
+the tensor-parallel drill of tests/test_gpu_scheduling.py)."""
 
 from __future__ import annotations
 
@@ -18,12 +24,16 @@ from conftest import ROOT
 pytestmark = pytest.mark.engine
 
 REQUESTS, GPUS = 240, 2
+#: The engines' rates: an L4's at the drills' 32 sequences, with a load of a few seconds, so that engine calls last
+#: as the tiny model's do here (an isolating retry's 16 calls included)
+STANDIN = "l4-8b,max_num_seqs=32,start_seconds=5"
 
 
 def drill(model: str, out, *flags: str, requests: int = REQUESTS, gpus: int = GPUS) -> dict:
     """scripts/standalone_cluster.py with ``flags``: what it printed, and the driver's log."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "standalone_cluster.py"), "--model", model,
-                           "--out", str(out), "--requests", str(requests), "--gpus", str(gpus), *flags],
+                           "--out", str(out), "--requests", str(requests), "--gpus", str(gpus),
+                           "--engine-standin", STANDIN, *flags],
                           capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
