@@ -68,7 +68,7 @@ def is_fatal(exc: BaseException) -> bool:
     text = str(exc)
     if any(marker in text for marker in STICKY_DEVICE_ERRORS):
         return True
-    if isinstance(exc, RuntimeError) and text.strip() in DEAD_EXECUTOR_ERRORS or isinstance(exc, EngineFault):
+    if (isinstance(exc, RuntimeError) and text.strip() in DEAD_EXECUTOR_ERRORS) or isinstance(exc, EngineFault):
         return True
     # an EngineDeadError exists only where its module was imported: no import of vLLM here (the engine stand-in)
     exceptions = sys.modules.get("vllm.v1.engine.exceptions")
