@@ -53,7 +53,7 @@ class InferContext:
     process: ProcessSettings
     wave: int = 0
     metrics: Any = None  # a Spark accumulator of per-partition records for the progress line (see metrics.py), or None
-    journal: Optional[str] = None  #: where partitions keep their quarantine journals (see quarantine.py)
+    journal: Optional[str] = None  #: where partitions keep their quarantine journals (see engine_host/isolation.py)
     journal_s3: Optional[S3Access] = None  #: how the tasks reach the journal's bucket (a journal on S3)
     run_id: str = ""               #: the run (an engine that cannot start is not tried again within it)
     #: planned partitions of the run before this model's (a batch of several models numbers them across its models)

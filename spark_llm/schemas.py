@@ -140,7 +140,7 @@ METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
     "cached_prompt_tokens": (L, "Prompt tokens the engine served from its prefix cache (vLLM's num_cached_tokens); "
                                 "/ prompt_tokens is the partition's prefix-cache hit rate"),
     "completion_tokens": (L, "Generated tokens of the partition's successful requests"),
-    "engine_deaths": (L, "Engine deaths while the partition ran, earlier attempts' included (see quarantine.py)"),
+    "engine_deaths": (L, "Engine deaths while the partition ran, earlier attempts' included (see engine_host/isolation.py)"),
     "engine_load_seconds": (T.DoubleType(), "Seconds the task waited for its engine to load (0 when it was "
                                            "ready: loaded by the warm-up or an earlier task)"),
     "engine_seconds": (T.DoubleType(), "Seconds the partition's requests were in the engine (its streamed call; "
