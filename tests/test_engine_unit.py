@@ -683,12 +683,24 @@ def test_an_engine_stuck_in_a_call_ends_itself_once_its_executor_is_gone(monkeyp
         stopped.append((reason, shutdown))
         threading.Event().wait()
     serving.server.stop = stop
-    threading.Thread(target=lambda: serving.client().stream([request(10)], lambda i, r: None), daemon=True).start()
+    task_errors: list = []
+
+    def task() -> None:  # the task's call: it hears nothing from the stuck engine, and takes it for hung
+        try:
+            serving.client(call_timeout=5.0).stream([request(10)], lambda i, r: None)
+        except Exception as exc:
+            task_errors.append(exc)
+    call = threading.Thread(target=task, daemon=True)
+    call.start()
     until(stuck.is_set)
     serving.server.watch_pid = -1  # no such process: the executor is gone
     threading.Thread(target=serving.server.watch, daemon=True).start()
     until(lambda: stopped)
     assert stopped == [("executor gone while the engine was stuck in a call", False)]
+    call.join(60)
+    from spark_llm.engine_host.client import EngineHung
+
+    assert [type(e) for e in task_errors] == [EngineHung]
 
 
 def streams_at_once(serving, calls):
