@@ -20,7 +20,7 @@ from pyspark.sql import SparkSession
 from .engine_host.directory import LOCAL_EXECUTOR_ENV
 from .engine_host.spec import apply_worker_env
 from .engine_host.isolation import RECOMMENDED_TASK_ATTEMPTS
-from .host import process_alive
+from .host import private_file, process_alive
 from .session_info import is_connect, is_local_master, spark_conf
 
 log = logging.getLogger(__name__)
@@ -402,6 +402,7 @@ def with_own_resolvers(settings: dict[str, str]) -> dict[str, str]:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            private_file(tmp)  # a repository's URL may carry its credentials
             tmp.write_text(text)
             os.replace(tmp, path)
     except OSError:  # no cache to write to: Spark's own resolvers, and their noise

@@ -204,6 +204,7 @@ def test_packages_resolve_from_maven_central_alone_unless_the_settings_name_repo
     assert session.with_own_resolvers(own) == own  # the user's Ivy settings win
     ours = session.with_own_resolvers({"spark.jars.repositories": mirror})
     assert roots(open(ours["spark.jars.ivySettings"]).read())[1:] == [mirror]
+    assert os.stat(ours["spark.jars.ivySettings"]).st_mode & 0o077 == 0  # its URLs may carry credentials
     assert ours["spark.jars.ivy"] == os.path.expanduser(session.SPARK_IVY_DIR)  # what Spark downloaded stays found
 
 
