@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 from pyspark.sql import SparkSession
 
@@ -206,7 +206,7 @@ def _jars_after_spark_s(jars: Sequence[str]) -> Iterator[None]:
         yield
 
 
-def _on_loopback(local: bool) -> Any:
+def _on_loopback(local: bool) -> contextlib.AbstractContextManager[None]:
     """While a local session's JVM is launched: its driver, UI and workers on 127.0.0.1 (``SPARK_LOCAL_IP``), unless
     this process's environment says otherwise. Nothing outside this host talks to them, and Spark would otherwise
     bind every interface and warn, on a host whose name resolves to loopback, that it chose another address."""
