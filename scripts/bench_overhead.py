@@ -215,7 +215,7 @@ def job_run(args, work: Path) -> tuple[float, int, dict]:
              .agg(F.min("engine_started_at").alias("first"), F.max("engine_finished_at").alias("last")).first())
     spark.stop()
     return job_s, result.input_tokens + result.output_tokens, {
-        "busy_fraction": (result.batch.partition_plan or {}).get("busy_fraction"), "completed": result.completed,
+        "busy_fraction": getattr(result.batch.partition_plan, "busy_fraction", None), "completed": result.completed,
         "failed": result.failed, "first_call": calls["first"].timestamp() - began,
         "after_last": job_s - (calls["last"].timestamp() - began)}
 

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         cached = sum(m["cached_prompt_tokens"] or 0 for m in metrics)
         prompt = sum(m["prompt_tokens"] for m in metrics)
         rows.append((label, wall, sum(m["engine_seconds"] for m in metrics), cached / prompt if prompt else 0.0,
-                     len(metrics), result.batch.partition_plan["balance_ratio"]))
+                     len(metrics), result.batch.partition_plan.balance_ratio))
     spark.stop()
     print(f"requests={args.requests} system_prompts={args.prompts} prompt_words={args.prompt_words} "
           f"kv_cache_bytes={args.kv_cache_memory_bytes} model={name}")

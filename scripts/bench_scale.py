@@ -233,7 +233,7 @@ def main(argv=None) -> int:
         end = time.monotonic()
         secs = end - clock.t0
         py_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        busy = (result.batch.partition_plan or {}).get("busy_fraction")
+        busy = getattr(result.batch.partition_plan, "busy_fraction", None)
         rows.append((n, secs, result.completed, py_mb, _jvm_peak_mb(spark), accounted(spark, result, nonblank),
                      clock.stages(end), busy, _jvm_live_mb(spark)))
     spark.stop()

@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     print(json.dumps({
         "completed": result.completed, "failed": result.failed, "total": result.total,
         "output_lines": len(Path(result.output_file).read_text().splitlines()),
-        "partitions": result.batch.partition_plan["num_partitions"], "cpu_tasks_at_once": cpu_tasks_at_once,
+        "partitions": result.batch.partition_plan.num_partitions, "cpu_tasks_at_once": cpu_tasks_at_once,
         "executor_killed": (out / "executor-killed").exists(),
         "capacity": {"executors": held.executors, "gpus": held.gpus},
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         "tasks_at_once_per_gpus": {g: concurrency([(m["started_at"].timestamp(), m["finished_at"].timestamp())
                                                    for m in metrics if m["gpus"] == g])
                                    for g in sorted({m["gpus"] for m in metrics})},
-        "tasks_per_engine": result.batch.partition_plan["task_slots"] // result.batch.partition_plan["engines"],
+        "tasks_per_engine": result.batch.partition_plan.task_slots // result.batch.partition_plan.engines,
         "metrics": [{k: v for k, v in m.items() if k not in ("started_at", "finished_at")} for m in metrics],
         "events": read_events(engines),
     }, default=str))

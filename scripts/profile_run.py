@@ -150,7 +150,7 @@ def main(argv=None) -> int:
 
     jobs = spark_jobs(log)
     print(f"requests={args.requests} engines={args.slots} master={args.master} "
-          f"tasks_per_engine={result.batch.partition_plan['task_slots'] // result.batch.partition_plan['engines']} "
+          f"tasks_per_engine={result.batch.partition_plan.task_slots // result.batch.partition_plan.engines} "
           f"dtype={args.dtype} session={session_s:.1f}s run={run_s:.1f}s "
           f"spark_jobs={len(jobs)} completed={result.completed} failed={result.failed} work={work}")
     print("\nstages (wall from their first job's start to their last job's end; stages overlap)")
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     wait_s = sum(m["engine_load_seconds"] for m in metrics)
     print(f"  partitions={len(metrics)} task_seconds={task_s:.1f} engine_seconds={engine_s:.1f} "
           f"engine_load_wait_seconds={wait_s:.1f} around_the_engine_seconds={task_s - engine_s - wait_s:.1f}")
-    print(f"  busy_fraction={(result.batch.partition_plan or {}).get('busy_fraction')}")
+    print(f"  busy_fraction={getattr(result.batch.partition_plan, 'busy_fraction', None)}")
     for line in idle_lines(metrics):
         print(f"  {line}")
     if not args.keep:

@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator, model_serializer
 
 from .config import ConfigError
 from .errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
 
 if TYPE_CHECKING:
     from .context import RunContext, RunPaths
+    from .metrics import EngineUsage
+
+class Status(str, Enum):
+    """OpenAI's ``Batch.status``: the values, once; which may follow which is spark_llm.service.lifecycle's."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+#: The statuses a batch ends in: a run's batch.json has one of them.
+ENDED = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.EXPIRED})
 
 #: errors.data codes of a batch that stopped (row-level problems never stop a batch).
 BATCH_FAILURE_CODES = {EngineStartError: "engine_start_failed", ConfigError: "invalid_config"}
@@ -85,12 +104,66 @@ class BatchErrors(BaseModel):
     total: int = 0  # spark_llm's own: how many there are in all (data is bounded)
 
 
+class RunPlan(BaseModel):
+    """``partition_plan`` of batch.json: how a run spread its requests over partitions and waves
+    (spark_llm.partition, spark_llm.waves) and, once its partitions have their records, how busy the engines were
+    (:func:`spark_llm.metrics.engine_usage`). A batch of several models has each model's plan under ``models``.
+    Fields without a value are left out of the JSON: a rerun that had nothing left to infer has no partitions,
+    only its earlier runs' engine usage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_partitions: Optional[int] = None
+    task_slots: Optional[int] = None     #: inference tasks that ran at once
+    engines: Optional[int] = None        #: engines those tasks fed
+    total_estimated_tokens: Optional[int] = None
+    target_tokens_per_partition: Optional[int] = None
+    tokens_per_partition: Optional[list[int]] = None
+    requests_per_partition: Optional[list[int]] = None
+    balance_ratio: Optional[float] = None  #: max / mean estimated tokens over the partitions
+    waves: Optional[int] = None
+    models: Optional[dict[str, "RunPlan"]] = None
+    runs: Optional[int] = None
+    partitions_run: Optional[int] = None
+    engine_seconds: Optional[float] = None
+    inference_wall_seconds: Optional[float] = None
+    busy_fraction: Optional[float] = None
+    engine_tokens_per_second: Optional[float] = None
+    prefix_cache_hit_rate: Optional[float] = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    def with_usage(self, usage: "EngineUsage") -> "RunPlan":
+        """This plan with the engine usage of its partitions' records (metrics.engine_usage)."""
+        return RunPlan.model_validate({**self.model_dump(), **dataclasses.asdict(usage)})
+
+    @classmethod
+    def joined(cls, plans: Sequence["RunPlan"]) -> "RunPlan":
+        """Plans made one after the other in a run (its models', or the parts of an input prepared in parts) as
+        one, their partitions in the order they ran."""
+        tokens = [t for p in plans for t in p.tokens_per_partition]
+        mean = sum(tokens) / len(tokens) if tokens else 0
+        return cls(num_partitions=len(tokens), task_slots=max(p.task_slots for p in plans),
+                   engines=max(p.engines for p in plans),
+                   total_estimated_tokens=sum(p.total_estimated_tokens for p in plans),
+                   target_tokens_per_partition=plans[0].target_tokens_per_partition, tokens_per_partition=tokens,
+                   requests_per_partition=[r for p in plans for r in p.requests_per_partition],
+                   balance_ratio=round(max(tokens) / mean, 4) if mean else 1.0, waves=sum(p.waves for p in plans))
+
+    @classmethod
+    def of_models(cls, plans: dict[str, "RunPlan"]) -> "RunPlan":
+        """The plans of several models as one (partitions in the order they ran), each model's under ``models``."""
+        return cls.joined(list(plans.values())).model_copy(update={"models": plans})
+
+
 class Batch(BaseModel):
     """OpenAI's batch object, as openai-python's ``openai.types.Batch`` defines it: the one definition of a batch,
     from which the job's ``batch.json`` (:class:`BatchObject`), the batch service's API object and its stored
     record and table (:class:`spark_llm.service.store.BatchRecord`) follow."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_enum_values=True)  # status as its value: "completed"
 
     id: str
     object: Literal["batch"] = "batch"
@@ -99,8 +172,7 @@ class Batch(BaseModel):
     errors: Optional[BatchErrors] = None
     input_file_id: str
     completion_window: str = "24h"
-    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
-                    "cancelled"]
+    status: Status
     output_file_id: Optional[str] = None
     error_file_id: Optional[str] = None
     created_at: int
@@ -123,12 +195,19 @@ class BatchObject(Batch):
 
     model: str
     errors: BatchErrors
-    status: Literal["completed", "failed", "cancelled", "expired"]
+    status: Status  #: one of ENDED (_ended)
     output_file_id: str
     error_file_id: str
     usage: Usage
     metadata: dict[str, str]  # OpenAI's metadata is a map of strings: the table and report locations
-    partition_plan: Optional[dict[str, Any]] = None  # spark_llm's own: how requests were spread over partitions
+    partition_plan: Optional[RunPlan] = None  # spark_llm's own: how requests were spread over partitions
+
+    @field_validator("status")
+    @classmethod
+    def _ended(cls, v: Any) -> Any:
+        if Status(v) not in ENDED:
+            raise ValueError(f"a batch.json is written when its batch has ended, not while it is {Status(v).value}")
+        return v
 
     @staticmethod
     def _common(run: "RunContext") -> dict[str, Any]:
@@ -143,7 +222,7 @@ class BatchObject(Batch):
 
     @classmethod
     def completed(cls, run: "RunContext", tally: Tally, errors: BatchErrors, endpoint: str,
-                  plan: Optional[dict], in_progress_at: int) -> "BatchObject":
+                  plan: Optional[RunPlan], in_progress_at: int) -> "BatchObject":
         """Every request has its row: ``completed``, or ``cancelled`` / ``expired`` when the run ended the batch
         early (``finish_unanswered``)."""
         now = int(time.time())
@@ -200,10 +279,10 @@ class BatchResult:
 
     def summary(self) -> str:
         resumed = f" ({self.skipped} already answered before this run)" if self.skipped else ""
-        plan = self.batch.partition_plan or {}
-        busy = plan.get("busy_fraction")
-        engines = (f"  engines busy {busy:.1%} of their time ({plan['engine_seconds']:.1f} s engine time over "
-                   f"{plan['inference_wall_seconds']:.1f} s of inference, {plan['runs']} run(s))\n"
+        plan = self.batch.partition_plan
+        busy = plan.busy_fraction if plan is not None else None
+        engines = (f"  engines busy {busy:.1%} of their time ({plan.engine_seconds:.1f} s engine time over "
+                   f"{plan.inference_wall_seconds:.1f} s of inference, {plan.runs} run(s))\n"
                    if busy is not None else "")
         return (f"batch {self.batch_id}: {self.status}; {self.total} requests, {self.completed} completed, "
                 f"{self.failed} failed{resumed}; tokens in {self.input_tokens}, out {self.output_tokens}\n{engines}"

@@ -47,41 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
 def run_from_args(args: argparse.Namespace) -> int:
     """``spark-llm run`` and ``spark-llm plan``: exit 0 done, 2 bad settings, 3 the engine could not start or the
     batch failed at run time (a Spark job failed for good)."""
+    from .session import get_session
+
     configure_logging(args.log_level)
-    overrides = {field: getattr(args, field) for field in BatchConfig.model_fields}
     planning = getattr(args, "command", "run") == "plan"
     try:
-        config = BatchConfig.load(args.config, **overrides)
-        if not planning:
-            config.require_ready()
-        spark_conf = spark_conf_from_yaml(args.config)
+        config, spark_conf = _settings(args, planning)
+        if planning and _plans_locally(args, config):
+            from .plan import plan_local
+
+            print(plan_local(config, args.master, args.tokens_per_second, spark_conf).summary())
+            return 0
     except ConfigError as exc:
         print(f"spark-llm: error: {exc}", file=sys.stderr)
         return 2
-
-    from .errors import EngineStartError
-    from .session import get_session
-
-    if planning and _plans_locally(args, config):
-        from .plan import plan_local
-
-        try:
-            print(plan_local(config, args.master, args.tokens_per_second, spark_conf).summary())
-        except ConfigError as exc:
-            print(f"spark-llm: error: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    if not planning and not config.batch_id:  # named now, so that an interrupted run can say what to resume
-        config.batch_id = new_batch_id()
     if not planning:
-        from .prepare import preload_tokenizers
-        from .session import local_session_conf
-        from .session_info import local_task_threads
-        from .warmup import start_before_session
-
-        if start_before_session(config, spark_conf, args.master, args.remote):  # a local[N] session: engines load
-            threads = local_task_threads(local_session_conf(args.master, spark_conf)) or 1
-            preload_tokenizers(config, threads)  # meanwhile, and the tokenizers of an input prepared here
+        _before_session(args, config, spark_conf)
     spark = get_session(master=args.master, conf=spark_conf, remote=args.remote)
     try:
         if planning:
@@ -92,26 +73,55 @@ def run_from_args(args: argparse.Namespace) -> int:
         from .pipeline import run_batch
 
         result = run_batch(spark, config)
-    except ConfigError as exc:
+    except (Exception, KeyboardInterrupt) as exc:
+        return _stopped(exc, spark, config)
+    print(result.summary())
+    return 0
+
+
+def _settings(args: argparse.Namespace, planning: bool) -> tuple[BatchConfig, dict[str, str]]:
+    """The batch's settings (the file's, under the command line's) and the Spark settings of the file."""
+    overrides = {field: getattr(args, field) for field in BatchConfig.model_fields}
+    config = BatchConfig.load(args.config, **overrides)
+    if not planning:
+        config.require_ready()
+    return config, spark_conf_from_yaml(args.config)
+
+
+def _before_session(args: argparse.Namespace, config: BatchConfig, spark_conf: dict[str, str]) -> None:
+    """Name the batch (so that an interrupted run can say what to resume) and, for a ``local[N]`` session, start
+    its engines loading and the tokenizers of an input prepared here while the session starts."""
+    from .prepare import preload_tokenizers
+    from .session import local_session_conf
+    from .session_info import local_task_threads
+    from .warmup import start_before_session
+
+    if not config.batch_id:
+        config.batch_id = new_batch_id()
+    if start_before_session(config, spark_conf, args.master, args.remote):
+        preload_tokenizers(config, local_task_threads(local_session_conf(args.master, spark_conf)) or 1)
+
+
+def _stopped(exc: BaseException, spark: Any, config: BatchConfig) -> int:
+    """What the command prints and exits with for the error that stopped the run."""
+    from .errors import EngineStartError, describe_exception
+
+    if isinstance(exc, ConfigError):
         print(f"spark-llm: error: {exc}", file=sys.stderr)
         return 2
-    except EngineStartError as exc:
-        print(f"spark-llm: the inference engine could not start: {exc}", file=sys.stderr)
+    if isinstance(exc, EngineStartError):  # it could not start, or it failed every request also once rebuilt
+        print(f"spark-llm: the inference engine cannot serve this batch: {exc}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see main): batch.json says cancelled
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (see main): batch.json says cancelled
         _quiet_cancel(spark)
         print(f"spark-llm: batch {config.batch_id} cancelled; what it answered so far is committed. Finish it with "
               f"--resume --batch-id {config.batch_id}, or close it with --finish-unanswered batch_cancelled as well",
               file=sys.stderr)
         return 130
-    except Exception as exc:  # Spark gave up on a job (or its JVM died): batch.json says failed; resume continues
-        from .errors import describe_exception
-
-        print(f"spark-llm: the batch failed: {describe_exception(exc, 600)}; rerun with --resume to continue",
-              file=sys.stderr)
-        return 3
-    print(result.summary())
-    return 0
+    # Spark gave up on a job (or its JVM died): batch.json says failed; resume continues
+    print(f"spark-llm: the batch failed: {describe_exception(exc, 600)}; rerun with --resume to continue",
+          file=sys.stderr)
+    return 3
 
 
 def _quiet_cancel(spark: Any) -> None:

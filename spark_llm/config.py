@@ -92,7 +92,11 @@ class ModelEntry(BaseModel):
 
 class BatchConfig(BaseModel):
     """Everything one batch run needs. Every field has a default; ``model``, ``input`` and ``output_dir`` must be set
-    before :func:`spark_llm.run_batch` is called."""
+    before :func:`spark_llm.run_batch` is called.
+
+    Long, and flat on purpose: each field is at once a flag (``--max-model-len``, its help this description), a YAML
+    key and a keyword of the notebook call, so the settings are grouped by concern in sections (and in ``--help``,
+    by each field's ``group``), not nested in models of their own."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 

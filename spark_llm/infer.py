@@ -17,14 +17,14 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from . import faults
 from .audio import measure as measure_audio
 from .config import PRIORITIES, config_view
 from .endpoints import BY_KIND, Classes, Reply, moderations
-from .endpoints.common import with_request_seed
+from .endpoints.common import ResponseOptions, with_request_seed
 from .engine_host.client import EngineClient, engine_for
 from .engine_host.isolation import MAX_ENGINE_REBUILDS, Journal, isolation_plan, quarantine_message
 from .engine_host.placement import TaskPlace, task_gpus
@@ -34,7 +34,7 @@ from .engine_host.spec import EngineSpec, ProcessSettings
 from .errors import ErrorCode, RequestError, truncate
 from .filesystems import S3Access, s3_access
 from .media import AUDIO, MediaPolicy, label, read_media
-from .schemas import RESULT_FIELDS
+from .schemas import RESULT_FIELDS, PartitionRecord
 
 if TYPE_CHECKING:
     from .context import RunContext
@@ -84,13 +84,13 @@ class InferContext:
     @property
     def simulated(self) -> Optional[str]:
         """The engine stand-in answering this model's requests (``engine_standin``), or None for vLLM."""
-        return self.engine.settings.get("engine_standin") or None
+        return self.engine.standin
 
     @property
     def request_seeds(self) -> Optional[int]:
         """The batch's seed when sampled requests get seeds of their own (``sampling_seeds: request``), else None."""
         settings = self.engine.settings
-        return settings.get("seed", 0) if settings.get("sampling_seeds", "request") == "request" else None
+        return settings.seed if settings.sampling_seeds == "request" else None
 
     def partition(self, pdf: Any) -> int:
         """The run's number of the partition ``pdf`` (its planned partition, after the earlier models')."""
@@ -111,15 +111,17 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
     pdf = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
     n = len(pdf)
     rows = [_base_row(pdf, i, ctx) for i in range(n)]
-    options = [json.loads(x) for x in pdf["options_json"]]
+    options = [ResponseOptions.from_json(x) for x in pdf["options_json"]]
     kinds = list(pdf["kind"])
-    requests, owner, unreadable = _engine_requests(pdf, options, ctx.media, ctx.request_seeds)
+    inputs = _engine_requests(pdf, options, ctx.media, ctx.request_seeds)
+    requests, owner = inputs.requests, inputs.owner
 
     def answer(i: int, outputs: list) -> None:
-        rows[i]["model"] = options[i].get("adapter") or ctx.served_model_name
-        _answer(rows[i], outputs, kinds[i], Reply(rows[i]["request_id"], rows[i]["model"], int(time.time()),
-                                                  options[i], ctx.classes), ctx.simulated)
-    for i, failure in unreadable.items():  # an image gone or changed since its tokens were counted
+        rows[i]["model"] = options[i].adapter or ctx.served_model_name
+        reply = Reply(rows[i]["request_id"], rows[i]["model"], int(time.time()), options[i], ctx.classes,
+                      inputs.audio_seconds.get(i))
+        _answer(rows[i], outputs, kinds[i], reply, ctx.simulated)
+    for i, failure in inputs.unreadable.items():  # an image gone or changed since its tokens were counted
         answer(i, [failure])
     gpus = task_gpus(ctx.engine.tensor_parallel_size)
     journal = Journal.open(ctx.journal, ctx.partition(pdf), ctx.journal_s3)
@@ -139,12 +141,12 @@ def infer_partition(batches: Iterator, ctx: InferContext) -> Iterator:
         raise AssertionError(f"{len(unanswered)} of {n} requests got neither a response nor an error")
     results = guarded.results
     cached = sum(r.num_cached_tokens for r in results if r is not None and not isinstance(r, RequestFailure))
-    record = {**_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus),
-              "cached_prompt_tokens": cached, "engine_deaths": guarded.deaths,
-              "engine_started_at": engine_started, "engine_finished_at": engine_finished}
+    record = replace(_metrics_record(ctx, pdf, rows, (started, engine_s), engine, gpus),
+                     cached_prompt_tokens=cached, engine_deaths=guarded.deaths,
+                     engine_started_at=engine_started, engine_finished_at=engine_finished)
     if ctx.metrics is not None:  # the live progress line (classic sessions)
         ctx.metrics.add([record])
-    rows[0]["partition_metrics"] = json.dumps(record)  # the metrics table, from the staged results
+    rows[0]["partition_metrics"] = record.to_json()  # the metrics table, from the staged results
     out = pd.DataFrame(rows, columns=list(RESULT_FIELDS))
     for col in ("line_number", "prompt_tokens", "completion_tokens", "total_tokens", "created"):
         out[col] = out[col].astype("Int64")
@@ -168,48 +170,22 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
     (:func:`~spark_llm.engine_host.isolation.isolation_plan`). While deaths are on record the partition runs alone on
     the engine (:meth:`~spark_llm.engine_host.EngineClient.alone`): a death during its calls is then its own, never
     a request of the slot's other feeder."""
-    ids = [str(x) for x in pdf["id"]]
-    row_of = {rid: i for i, rid in enumerate(ids)}
-    by_row: dict[int, list[int]] = {}
-    for j, i in enumerate(owner):
-        by_row.setdefault(i, []).append(j)
+    rows = _PartitionCalls(requests, owner, pdf, journal, on_row)
     deaths = journal.deaths() if journal is not None else []
-    results: list = [None] * len(requests)
-    done: set[str] = {r for i, r in enumerate(ids) if i not in by_row}  # answered before (an unreadable image)
     gone = 0  # engines found gone before a call: not deaths
     faulted = False  # an engine failed every request alike under this task (EngineFaulted)
     while True:
-        plan = isolation_plan([r for r in ids if r not in done], deaths)
+        plan = isolation_plan(rows.unanswered(), deaths)
         if plan.isolating:
             log.warning("partition: %d engine death(s) on record; isolating in %d calls, %d request(s) set aside",
                         len(deaths), len(plan.calls), len(plan.quarantined))
         call: list[str] = []
-        marker = None
         try:
             with engine.alone() if deaths else contextlib.nullcontext():
                 for call in plan.calls:
-                    rows = [row_of[r] for r in call]
-                    idx = [j for i in rows for j in by_row[i]]
-                    left = {i: len(by_row[i]) for i in rows}
-
-                    def got(k: int, out: Any, idx: list[int] = idx, left: dict[int, int] = left) -> None:
-                        j = idx[k]
-                        results[j] = out
-                        i = owner[j]
-                        left[i] -= 1
-                        if not left[i]:
-                            done.add(ids[i])
-                            on_row(i, [results[x] for x in by_row[i]])
-                    marker = journal.mark(call) if journal is not None else None
-                    custom_ids = {str(pdf["custom_id"].iat[i]) for i in rows}
-                    faults.before_engine_call(custom_ids)
-                    engine.stream([requests[j] for j in idx], got,
-                                  starting=lambda: faults.engine_call_starting(custom_ids, engine.info.pid))
-                    if marker is not None:
-                        journal.clear(marker)
+                    rows.run(engine, call)
         except EngineGone as exc:  # lost before the call (under the slot's other feeder): nothing was in flight
-            if marker is not None:
-                journal.clear(marker)
+            rows.not_in_flight()
             gone += 1
             if gone > 4 * MAX_ENGINE_REBUILDS:
                 raise
@@ -217,8 +193,7 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
             engine.rebuild(died=False)
             continue
         except EngineFaulted as exc:  # no request is to blame: the call runs again on a new engine, once
-            if marker is not None:
-                journal.clear(marker)
+            rows.not_in_flight()
             if faulted:
                 raise engine.failed_for_run(f"{exc}, also after the engine was rebuilt") from None
             faulted = True
@@ -233,47 +208,113 @@ def generate_guarded(engine: EngineClient, requests: list, owner: list[int], pdf
                         str(exc).splitlines()[0])
             engine.rebuild()
             continue
-        return Guarded(results, {row_of[r] for r in plan.quarantined}, len(deaths))
+        return Guarded(rows.results, {rows.row_of[r] for r in plan.quarantined}, len(deaths))
 
 
-def _engine_requests(pdf: Any, options: list[dict], media: MediaPolicy, batch_seed: Optional[int] = None
-                     ) -> tuple[list[EngineRequest], list[int], dict[int, RequestFailure]]:
+class _PartitionCalls:
+    """A partition's rows and their engine requests (a row may have several: one per prompt), answered call by
+    call; each call is marked in flight in the journal while it runs (a death in it blames its requests)."""
+
+    def __init__(self, requests: list, owner: list[int], pdf: Any, journal: Optional[Journal],
+                 on_row: Callable[[int, list], None]):
+        self.requests, self.owner, self.journal, self.on_row = requests, owner, journal, on_row
+        self.ids = [str(x) for x in pdf["id"]]
+        self.custom_ids = [str(x) for x in pdf["custom_id"]]
+        self.row_of = {rid: i for i, rid in enumerate(self.ids)}
+        self.by_row: dict[int, list[int]] = {}
+        for j, i in enumerate(owner):
+            self.by_row.setdefault(i, []).append(j)
+        self.results: list = [None] * len(requests)
+        # rows without requests were answered before (an unreadable image)
+        self.done: set[str] = {r for i, r in enumerate(self.ids) if i not in self.by_row}
+        self.marker: Any = None  #: the journal's in-flight marker of the call running
+
+    def unanswered(self) -> list[str]:
+        return [r for r in self.ids if r not in self.done]
+
+    def run(self, engine: EngineClient, call: list[str]) -> None:
+        """One streamed engine call of ``call``'s rows; each row answered as soon as all its requests are."""
+        rows = [self.row_of[r] for r in call]
+        idx = [j for i in rows for j in self.by_row[i]]
+        left = {i: len(self.by_row[i]) for i in rows}
+
+        def got(k: int, out: Any) -> None:
+            j = idx[k]
+            self.results[j] = out
+            i = self.owner[j]
+            left[i] -= 1
+            if not left[i]:
+                self.done.add(self.ids[i])
+                self.on_row(i, [self.results[x] for x in self.by_row[i]])
+        self.marker = self.journal.mark(call) if self.journal is not None else None
+        custom_ids = {self.custom_ids[i] for i in rows}
+        faults.before_engine_call(custom_ids)
+        engine.stream([self.requests[j] for j in idx], got,
+                      starting=lambda: faults.engine_call_starting(custom_ids, engine.info.pid))
+        self.not_in_flight()
+
+    def not_in_flight(self) -> None:
+        """The call's marker cleared: it ended, or it failed with no request to blame."""
+        if self.marker is not None:
+            self.journal.clear(self.marker)
+            self.marker = None
+
+
+@dataclass(frozen=True)
+class _EngineInputs:
+    """A partition's engine requests and what the answers need of how they were made."""
+
+    requests: list[EngineRequest]
+    owner: list[int]                          #: the row each request belongs to
+    unreadable: dict[int, RequestFailure]     #: rows whose media could not be read (no request: their failure)
+    audio_seconds: dict[int, float]           #: rows with a clip: its length, for the answer's usage
+
+
+def _engine_requests(pdf: Any, options: list[ResponseOptions], media: MediaPolicy,
+                     batch_seed: Optional[int] = None) -> _EngineInputs:
     """One engine request per prompt of every row (its endpoint's task, the prompt's token ids, the settings,
     what the engine should parse out of the answer, the adapter and, for a row with images, their bytes, read here
-    and decoded by the engine), the row each belongs to, and the rows whose images could not be read (no request:
-    their failure). With ``batch_seed``, a sampled prompt without a seed gets its own
+    and decoded by the engine). With ``batch_seed``, a sampled prompt without a seed gets its own
     (:func:`~spark_llm.endpoints.common.with_request_seed`)."""
-    requests, owner, unreadable = [], [], {}
+    inputs = _EngineInputs([], [], {}, {})
     for i, (kind, sampling_json, prompts, custom_id) in enumerate(zip(pdf["kind"], pdf["sampling_json"],
                                                                      pdf["prompt_token_ids"], pdf["custom_id"])):
         endpoint, opts = BY_KIND[kind], options[i]
         sampling = json.loads(sampling_json)
-        parse = Parse(endpoint.PARSE_REASONING, opts["tools"] if opts.get("tool_choice") == "auto" else None,
-                      bool(opts.get("echo_prompt")))
-        urls = opts.get("images") or []
+        parse = Parse(endpoint.PARSE_REASONING, opts.tools if opts.tool_choice == "auto" else None, opts.echo_prompt)
+        urls = opts.images or []
         try:
             images = tuple(read_media(u, media, label(k, len(urls), u)) for k, u in enumerate(urls))
             clip = _audio_clip(opts, media)
         except RequestError as exc:
-            unreadable[i] = RequestFailure("media", exc.message, exc.code.value)
+            inputs.unreadable[i] = RequestFailure("media", exc.message, exc.code.value)
             continue
+        if clip is not None:
+            inputs.audio_seconds[i] = clip.seconds
         seeded = batch_seed is not None and endpoint.TASK.generates
         for k, ids in enumerate(prompts):
             ids = ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
             params = with_request_seed(sampling, batch_seed, str(custom_id), k) if seeded else sampling
-            requests.append(EngineRequest(ids, params, endpoint.TASK, parse, opts.get("adapter"), images, clip))
-            owner.append(i)
-    return requests, owner, unreadable
+            inputs.requests.append(EngineRequest(ids, params, endpoint.TASK, parse, opts.adapter, images,
+                                                 clip.clip if clip is not None else None))
+            inputs.owner.append(i)
+    return inputs
 
 
-def _audio_clip(options: dict, media: MediaPolicy) -> Optional[AudioClip]:
-    """A transcription's audio as read, for its model's rate (decoded by the engine); its length goes to the
-    options, for the answer's usage in seconds. None for a request without audio."""
-    if options.get("audio") is None:
+@dataclass(frozen=True)
+class _ReadClip:
+    clip: AudioClip
+    seconds: float
+
+
+def _audio_clip(options: ResponseOptions, media: MediaPolicy) -> Optional[_ReadClip]:
+    """A transcription's audio as read, for its model's rate (decoded by the engine), and its length (the
+    answer's usage is in seconds). None for a request without audio."""
+    if options.audio is None:
         return None
-    data = read_media(options["audio"], media, "the request's audio", AUDIO)
-    options["seconds"] = measure_audio(data, "the request's audio").seconds
-    return AudioClip(data, int(options["sample_rate"]))
+    data = read_media(options.audio, media, "the request's audio", AUDIO)
+    seconds = measure_audio(data, "the request's audio").seconds
+    return _ReadClip(AudioClip(data, int(options.sample_rate or 0)), seconds)
 
 
 def _answer(row: dict, outputs: list, kind: str, reply: Reply, simulated: Optional[str] = None) -> None:
@@ -318,7 +359,7 @@ def _base_row(pdf: Any, i: int, ctx: InferContext) -> dict:
 
 
 def _metrics_record(ctx: InferContext, pdf: Any, rows: list, times: tuple[float, float], engine: EngineClient,
-                    gpus: Optional[list[str]]) -> dict:
+                    gpus: Optional[list[str]]) -> PartitionRecord:
     started, engine_s = times
     ok = [r for r in rows if r["error_code"] is None]
     errors: dict[str, int] = {}
@@ -327,9 +368,9 @@ def _metrics_record(ctx: InferContext, pdf: Any, rows: list, times: tuple[float,
             errors[r["error_code"]] = errors.get(r["error_code"], 0) + 1
     p_tok = sum(r["prompt_tokens"] for r in ok)
     c_tok = sum(r["completion_tokens"] for r in ok)
-    return {"wave": ctx.wave, "partition": ctx.partition(pdf), "model": ctx.served_model_name,
-            "worker_pid": os.getpid(), "rows": len(rows), "prompt_tokens": p_tok, "completion_tokens": c_tok,
-            "engine_load_seconds": round(engine.load_seconds, 3), "engine_seconds": round(engine_s, 3),
-            "engine_slot": engine.slot.name, "engine_pid": engine.info.pid, "gpus": ",".join(gpus or []),
-            "tokens_per_second": round((p_tok + c_tok) / engine_s, 1) if engine_s > 0 else 0.0,
-            "errors_by_code": json.dumps(errors, sort_keys=True), "started_at": started, "finished_at": time.time()}
+    return PartitionRecord(
+        wave=ctx.wave, partition=ctx.partition(pdf), model=ctx.served_model_name, worker_pid=os.getpid(),
+        rows=len(rows), prompt_tokens=p_tok, completion_tokens=c_tok, engine_load_seconds=round(engine.load_seconds, 3),
+        engine_seconds=round(engine_s, 3), engine_slot=engine.slot.name, engine_pid=engine.info.pid,
+        gpus=",".join(gpus or []), tokens_per_second=round((p_tok + c_tok) / engine_s, 1) if engine_s > 0 else 0.0,
+        errors_by_code=json.dumps(errors, sort_keys=True), started_at=started, finished_at=time.time())

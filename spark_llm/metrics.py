@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 from pyspark.accumulators import AccumulatorParam
+
+from .schemas import PartitionRecord
 
 log = logging.getLogger(__name__)
 
@@ -30,48 +33,60 @@ class ListParam(AccumulatorParam):
         return value1
 
 
-def latest_records(records: list[dict]) -> list[dict]:
+def latest_records(records: Sequence[PartitionRecord]) -> list[PartitionRecord]:
     """One record per (wave, partition): the last one reported (a retried task reports again)."""
-    best: dict[tuple[int, int], dict] = {}
+    best: dict[tuple[int, int], PartitionRecord] = {}
     for rec in records:
-        key = (rec["wave"], rec["partition"])
-        if key not in best or rec["finished_at"] >= best[key]["finished_at"]:
+        key = (rec.wave, rec.partition)
+        if key not in best or (rec.finished_at or 0) >= (best[key].finished_at or 0):
             best[key] = rec
     return [best[k] for k in sorted(best)]
 
 
-def engine_usage(records: list[dict]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EngineUsage:
+    """How busy the engines were over a batch's partitions (batch.json's ``partition_plan`` has these fields)."""
+
+    runs: int
+    partitions_run: int
+    engine_seconds: float           #: the engines' busy time, each engine's spans united
+    inference_wall_seconds: float   #: each run's first partition's start to its last one's end, summed
+    busy_fraction: Optional[float]  #: engine_seconds / (engines x inference wall)
+    engine_tokens_per_second: Optional[float]
+    prefix_cache_hit_rate: Optional[float]
+
+
+def engine_usage(records: Sequence[PartitionRecord]) -> EngineUsage:
     """How busy the engines were over a batch's partitions (of one run or of all its runs: records carry their
     ``run_id`` and ``engines``): ``busy_fraction`` = engine busy seconds / (engines x inference wall time), where a
     run's inference wall runs from its first partition's start to its last partition's end, and an engine's busy
     time is the union of the spans its partitions' requests were in it (two tasks feed an engine at once, so their
     spans overlap; records of older runs without spans count their engine_seconds)."""
-    runs: dict[str, list[dict]] = {}
+    runs: dict[str, list[PartitionRecord]] = {}
     for rec in records:
-        runs.setdefault(str(rec.get("run_id")), []).append(rec)
+        runs.setdefault(str(rec.run_id), []).append(rec)
     busy = wall = capacity = 0.0
     for recs in runs.values():
-        span = max(r["finished_at"] for r in recs) - min(r["started_at"] for r in recs)
-        engines = max(int(r.get("engines") or r.get("task_slots") or 0) for r in recs) or \
-            len({r.get("engine_slot") for r in recs})
+        span = max(r.finished_at or 0 for r in recs) - min(r.started_at or 0 for r in recs)
+        engines = max(int(r.engines or r.task_slots or 0) for r in recs) or len({r.engine_slot for r in recs})
         wall += span
         capacity += span * engines
         by_engine: dict[Any, list[tuple[float, float]]] = {}
         for r in recs:
-            if r.get("engine_started_at") is None or r.get("engine_finished_at") is None:
-                busy += float(r["engine_seconds"] or 0)
+            if r.engine_started_at is None or r.engine_finished_at is None:
+                busy += float(r.engine_seconds or 0)
             else:
-                by_engine.setdefault((r.get("engine_slot"), r.get("engine_pid")), []).append(
-                    (float(r["engine_started_at"]), float(r["engine_finished_at"])))
+                by_engine.setdefault((r.engine_slot, r.engine_pid), []).append(
+                    (float(r.engine_started_at), float(r.engine_finished_at)))
         busy += sum(union_seconds(spans) for spans in by_engine.values())
-    prompt = sum(int(r["prompt_tokens"] or 0) for r in records)
-    cached = sum(int(r.get("cached_prompt_tokens") or 0) for r in records)
-    tokens = prompt + sum(int(r["completion_tokens"] or 0) for r in records)
-    return {"runs": len(runs), "partitions_run": len(records), "engine_seconds": round(busy, 3),
-            "inference_wall_seconds": round(wall, 3),
-            "busy_fraction": round(busy / capacity, 4) if capacity > 0 else None,
-            "engine_tokens_per_second": round(tokens / busy, 1) if busy > 0 else None,
-            "prefix_cache_hit_rate": round(cached / prompt, 4) if prompt else None}
+    prompt = sum(int(r.prompt_tokens or 0) for r in records)
+    cached = sum(int(r.cached_prompt_tokens or 0) for r in records)
+    tokens = prompt + sum(int(r.completion_tokens or 0) for r in records)
+    return EngineUsage(runs=len(runs), partitions_run=len(records), engine_seconds=round(busy, 3),
+                       inference_wall_seconds=round(wall, 3),
+                       busy_fraction=round(busy / capacity, 4) if capacity > 0 else None,
+                       engine_tokens_per_second=round(tokens / busy, 1) if busy > 0 else None,
+                       prefix_cache_hit_rate=round(cached / prompt, 4) if prompt else None)
 
 
 def merged_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -95,14 +110,14 @@ def _fmt_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def progress_line(batch_id: str, records: list[dict], total_requests: int, started: float, wave: str,
+def progress_line(batch_id: str, records: Sequence[PartitionRecord], total_requests: int, started: float, wave: str,
                   now: Optional[float] = None) -> str:
     """``progress <batch>: wave 2/6 | requests 120/500 (24.0%) | tokens in .., out .. | .. tok/s | elapsed | eta``."""
     now = time.time() if now is None else now
     recs = latest_records(records)
-    done = sum(r["rows"] for r in recs)
-    p_tok = sum(r["prompt_tokens"] for r in recs)
-    c_tok = sum(r["completion_tokens"] for r in recs)
+    done = sum(r.rows for r in recs)
+    p_tok = sum(r.prompt_tokens for r in recs)
+    c_tok = sum(r.completion_tokens for r in recs)
     elapsed = max(now - started, 1e-9)
     pct = 100.0 * done / total_requests if total_requests else 100.0
     eta = _fmt_duration(elapsed / done * (total_requests - done)) if done else "?"

@@ -14,10 +14,11 @@ from pyspark.sql import functions as F
 
 from . import report_html, storage, write
 from .background import SparkJobInBackground
-from .batch import BatchError, BatchErrors, BatchObject, BatchResult, Tally
+from .batch import BatchError, BatchErrors, BatchObject, BatchResult, RunPlan, Tally
 from .config import BatchConfig
 from .context import RunContext
 from .metrics import engine_usage
+from .schemas import PartitionRecord
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,10 @@ def unattributed_errors(errors: DataFrame, total: int, limit: int = MAX_LISTED_E
 class Outcome:
     """What the row-writing part of a run did."""
 
-    plan: Optional[dict]    #: the partition plan, None when nothing reached inference
+    plan: Optional[RunPlan]  #: the partition plan, None when nothing reached inference
     skipped: int            #: requests an earlier run of the batch had answered (resume)
     in_progress_at: int     #: when inference started
-    records: tuple[dict, ...] = ()  #: the metrics table's rows this run added (see write.metrics_rows)
+    records: tuple[PartitionRecord, ...] = ()  #: the metrics table's rows this run added (write.metrics_rows)
     error_rows: int = 0     #: the errors table's rows this run added (validation and inference)
 
 
@@ -122,10 +123,10 @@ def finish(run: RunContext, outcome: Outcome) -> BatchResult:
         tables = Tables.read(write.outputs(run), errors,
                              then=lambda rows: write.write_error_file(run, rows))  # errors.jsonl
         records = sorted_records(outcome.records) if usage is None else usage.wait()
-        plan = {**(outcome.plan or {}), **engine_usage(records)} if records else outcome.plan
+        plan = (outcome.plan or RunPlan()).with_usage(engine_usage(records)) if records else outcome.plan
         batch = BatchObject.completed(run, tables.tally, tables.unattributed, tables.endpoint, plan,
                                       outcome.in_progress_at)
-        report = report_html.render(batch.model_dump(), records, tables.histogram, tables.errors_by_code,
+        report = report_html.render(batch, records, tables.histogram, tables.errors_by_code,
                                     time.time() - run.started, simulated=simulated(run.models or (run.cfg,)))
     finally:
         if usage is not None:
@@ -146,20 +147,19 @@ def simulated(models: Sequence[BatchConfig]) -> Optional[str]:
     return ", ".join(dict.fromkeys(m.engine_standin for m in models if m.engine_standin)) or None
 
 
-def batch_records(run: RunContext) -> list[dict]:
+def batch_records(run: RunContext) -> list[PartitionRecord]:
     """The partition records of every run of the batch (committed wave by wave: see write.metrics_rows), so a
     resumed batch is reported whole. One small row per partition, never request rows."""
     if not storage.table_exists(run.spark, run.paths.metrics_table):
         return []
     rows = (storage.read_table(run.spark, run.paths.metrics_table).where(F.col("batch_id") == run.batch_id)
             .orderBy("started_at").collect())
-    times = ("started_at", "finished_at", "engine_started_at", "engine_finished_at")
-    return [{**r.asDict(), **{t: r[t].timestamp() for t in times if t in r and r[t] is not None}} for r in rows]
+    return [PartitionRecord.from_row(r) for r in rows]
 
 
-def sorted_records(records: Sequence[dict]) -> list[dict]:
+def sorted_records(records: Sequence[PartitionRecord]) -> list[PartitionRecord]:
     """Metrics rows in :func:`batch_records`' order (by ``started_at``, unknown first)."""
-    return sorted(records, key=lambda r: (r.get("started_at") is not None, r.get("started_at") or 0.0))
+    return sorted(records, key=lambda r: (r.started_at is not None, r.started_at or 0.0))
 
 
 def write_failed_batch(run: RunContext, exc: BaseException) -> None:

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Optional, Sequence
 
+from .batch import BatchObject, RunPlan
 from .metrics import engine_usage
+from .schemas import PartitionRecord
 
 PLOTS = ("prompt-length histogram", "estimated tokens per partition", "throughput per partition",
          "timeline of partitions")
@@ -102,7 +104,7 @@ def bar_chart(caption: Caption, labels: Sequence[str], values: Sequence[float], 
     return _frame(caption, HEIGHT, LEFT, body)
 
 
-def timeline(caption: Caption, lanes: list[tuple[str, list[tuple[dict, float, float]]]]) -> str:
+def timeline(caption: Caption, lanes: list[tuple[str, list[tuple[PartitionRecord, float, float]]]]) -> str:
     """A lane per label (see :func:`engine_lanes`) with each span as a bar from its start to its end, in seconds
     since the earliest start, labelled with its partition."""
     left = 8 + 6 * max([len(label) for label, _ in lanes] + [4])
@@ -121,43 +123,44 @@ def timeline(caption: Caption, lanes: list[tuple[str, list[tuple[dict, float, fl
         top = TOP + n * LANE_HEIGHT
         body.append(_text(x0 - 6, top + LANE_HEIGHT / 2 + 4, label, anchor="end", size=10))
         for m, start, end in lane:
-            tip = html.escape(f"partition {m['partition']}: {end - start:.1f} s")
+            tip = html.escape(f"partition {m.partition}: {end - start:.1f} s")
             body.append(f'<rect x="{x(start):.1f}" y="{top + 2}" width="{max(x(end) - x(start), 0.5):.1f}" '
                         f'height="{LANE_HEIGHT - 4}" fill="#8172b2" stroke="#fff"><title>{tip}</title></rect>')
-            inside = x(end) - x(start) >= 8 + 6 * len(str(m["partition"]))  # else after the bar, in the lane
+            inside = x(end) - x(start) >= 8 + 6 * len(str(m.partition))  # else after the bar, in the lane
             body.append(_text(x(start) + 3 if inside else x(end) + 2, top + LANE_HEIGHT / 2 + 4,
-                              f"p{m['partition']}", anchor="start", size=9, fill="#fff" if inside else "#333"))
+                              f"p{m.partition}", anchor="start", size=9, fill="#fff" if inside else "#333"))
     return _frame(caption, height, x0, body)
 
 
-def plots(histogram: list[tuple[int, int]], plan: dict, metrics: list[dict]) -> dict[str, str]:
+def plots(histogram: list[tuple[int, int]], plan: RunPlan, metrics: Sequence[PartitionRecord]) -> dict[str, str]:
     """The report's plots as SVG, by name (:data:`PLOTS`)."""
-    tokens = plan.get("tokens_per_partition") or []
-    by_partition = sorted(metrics, key=lambda m: m["partition"])
+    tokens = plan.tokens_per_partition or []
+    by_partition = sorted(metrics, key=lambda m: m.partition)
     return {
         PLOTS[0]: bar_chart(Caption(PLOTS[0], "Prompt length", "prompt tokens (bucket start)", "requests"),
                             [_num(b) for b, _ in histogram], [n for _, n in histogram], "#4c72b0", adjacent=True),
-        PLOTS[1]: bar_chart(Caption(PLOTS[1], f"Balance (max/mean {plan.get('balance_ratio', 1.0)})", "partition",
+        PLOTS[1]: bar_chart(Caption(PLOTS[1], f"Balance (max/mean {plan.balance_ratio or 1.0})", "partition",
                                     "estimated tokens"),
                             [str(i) for i in range(len(tokens))], tokens, "#55a868",
                             mean=sum(tokens) / len(tokens) if tokens else None),
         PLOTS[2]: bar_chart(Caption(PLOTS[2], "Engine throughput per partition", "partition", "tokens / s"),
-                            [str(m["partition"]) for m in by_partition],
-                            [m["tokens_per_second"] or 0 for m in by_partition], "#c44e52"),
+                            [str(m.partition) for m in by_partition],
+                            [m.tokens_per_second or 0 for m in by_partition], "#c44e52"),
         PLOTS[3]: timeline(Caption(PLOTS[3], "Timeline of partitions per engine (each feeding task in a lane)",
                                    "seconds since the first partition started"), engine_lanes(metrics)),
     }
 
 
-def engine_lanes(metrics: list[dict]) -> list[tuple[str, list[tuple[dict, float, float]]]]:
+def engine_lanes(metrics: Sequence[PartitionRecord]
+                 ) -> list[tuple[str, list[tuple[PartitionRecord, float, float]]]]:
     """The partitions of each engine as lanes of the timeline: a partition's span in its engine (from its first
     request in to its last answer out; its task's start and end for records without them), in the first lane of
     its engine that is free by then, so the partitions that fed an engine at once sit in lanes one under another."""
     lanes: list[tuple[str, list]] = []
-    by_engine: dict[tuple, list[tuple[dict, float, float]]] = {}
+    by_engine: dict[tuple, list[tuple[PartitionRecord, float, float]]] = {}
     for m in metrics:
-        start, end = m.get("engine_started_at") or m["started_at"], m.get("engine_finished_at") or m["finished_at"]
-        by_engine.setdefault((str(m.get("engine_slot")), m.get("engine_pid")), []).append((m, start, end))
+        start, end = m.engine_started_at or m.started_at or 0.0, m.engine_finished_at or m.finished_at or 0.0
+        by_engine.setdefault((str(m.engine_slot), m.engine_pid), []).append((m, start, end))
     for (slot, pid), spans in sorted(by_engine.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         mine: list[list] = []
         for span in sorted(spans, key=lambda s: s[1]):
@@ -175,47 +178,47 @@ MODEL_COLUMNS = ("model", "partitions", "requests", "prompt tokens", "completion
                  "tokens/s per engine", "engine loads")
 
 
-def _model_rows(metrics: list[dict]) -> list[tuple]:
+def _model_rows(metrics: Sequence[PartitionRecord]) -> list[tuple]:
     """One row per model of the batch (in the order they ran), from the partitions' metrics records."""
-    groups: dict[str, list[dict]] = {}
-    for m in sorted(metrics, key=lambda m: m["started_at"]):
-        groups.setdefault(m.get("model") or "-", []).append(m)
+    groups: dict[str, list[PartitionRecord]] = {}
+    for m in sorted(metrics, key=lambda m: m.started_at or 0.0):
+        groups.setdefault(m.model or "-", []).append(m)
     rows = []
     for model, recs in groups.items():
-        prompt = sum(int(r["prompt_tokens"] or 0) for r in recs)
-        completion = sum(int(r["completion_tokens"] or 0) for r in recs)
-        engine_s = engine_usage(recs)["engine_seconds"]  # each engine's spans united: two tasks feed it at once
-        rows.append((model, len(recs), sum(int(r["rows"]) for r in recs), prompt, completion, round(engine_s, 1),
+        prompt = sum(int(r.prompt_tokens or 0) for r in recs)
+        completion = sum(int(r.completion_tokens or 0) for r in recs)
+        engine_s = engine_usage(recs).engine_seconds  # each engine's spans united: two tasks feed it at once
+        rows.append((model, len(recs), sum(int(r.rows) for r in recs), prompt, completion, round(engine_s, 1),
                      round((prompt + completion) / engine_s) if engine_s else "-",
-                     sum(1 for r in recs if r["engine_load_seconds"] > 0)))
+                     sum(1 for r in recs if (r.engine_load_seconds or 0) > 0)))
     return rows
 
 
-def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], errors_by_code: dict[str, int],
-           wall_seconds: float, simulated: Optional[str] = None) -> str:
-    """The report as one HTML string, from the batch object (as a dict), one metrics record per partition, the
-    prompt-length histogram and the error counts; ``simulated``: the engine stand-in that gave the answers."""
-    plan = batch.get("partition_plan") or {}
-    counts, usage = batch["request_counts"], batch["usage"]
-    inference_wall = plan.get("inference_wall_seconds")
-    busy = plan.get("busy_fraction")
+def render(batch: BatchObject, metrics: Sequence[PartitionRecord], histogram: list[tuple[int, int]],
+           errors_by_code: dict[str, int], wall_seconds: float, simulated: Optional[str] = None) -> str:
+    """The report as one HTML string, from the batch object, one metrics record per partition, the prompt-length
+    histogram and the error counts; ``simulated``: the engine stand-in that gave the answers."""
+    plan = batch.partition_plan or RunPlan()
+    counts, usage = batch.request_counts, batch.usage
+    inference_wall = plan.inference_wall_seconds
+    busy = plan.busy_fraction
     rows = [
-        ("batch", batch["id"]), ("status", batch["status"]), ("model", batch.get("model")),
-        ("requests", counts["total"]), ("completed", counts["completed"]), ("failed", counts["failed"]),
-        ("input tokens", usage["input_tokens"]), ("output tokens", usage["output_tokens"]),
-        ("runs of this batch", plan.get("runs", 1)),
+        ("batch", batch.id), ("status", batch.status), ("model", batch.model),
+        ("requests", counts.total), ("completed", counts.completed), ("failed", counts.failed),
+        ("input tokens", usage.input_tokens), ("output tokens", usage.output_tokens),
+        ("runs of this batch", plan.runs or 1),
         ("wall time of this run", f"{wall_seconds:.1f} s"),
         ("inference wall time (all runs)", f"{inference_wall:.1f} s" if inference_wall else "-"),
         ("throughput (inference wall)",
-         f"{usage['total_tokens'] / inference_wall:.1f} tokens/s" if inference_wall else "-"),
-        ("engine busy time (each engine's partition spans, united)", f"{plan.get('engine_seconds', 0.0):.1f} s"),
+         f"{usage.total_tokens / inference_wall:.1f} tokens/s" if inference_wall else "-"),
+        ("engine busy time (each engine's partition spans, united)", f"{plan.engine_seconds or 0.0:.1f} s"),
         ("engine busy fraction (busy time / (engines x inference wall))", f"{busy:.1%}" if busy is not None else "-"),
         ("prefix-cache hit rate (cached / prompt tokens)",
-         f"{plan['prefix_cache_hit_rate']:.1%}" if plan.get("prefix_cache_hit_rate") is not None else "-"),
-        ("partitions that waited for an engine load", sum(1 for m in metrics if m["engine_load_seconds"] > 0)),
+         f"{plan.prefix_cache_hit_rate:.1%}" if plan.prefix_cache_hit_rate is not None else "-"),
+        ("partitions that waited for an engine load", sum(1 for m in metrics if (m.engine_load_seconds or 0) > 0)),
         ("partitions inferred (all runs)", len(metrics)),
-        ("partitions planned (this run)", plan.get("num_partitions", 0)),
-        ("balance max/mean (this run)", plan.get("balance_ratio", "-")),
+        ("partitions planned (this run)", plan.num_partitions or 0),
+        ("balance max/mean (this run)", plan.balance_ratio if plan.balance_ratio is not None else "-"),
     ]
     summary = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     errors = "".join(f"<tr><td>{html.escape(c)}</td><td>{n}</td></tr>"
@@ -228,17 +231,17 @@ def render(batch: dict, metrics: list[dict], histogram: list[tuple[int, int]], e
         + "</table>")
     figures = "".join(f"<h2>{html.escape(name.capitalize())}</h2><figure>{svg}</figure>"
                       for name, svg in plots(histogram, plan, metrics).items())
-    created = datetime.fromtimestamp(batch["created_at"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    created = datetime.fromtimestamp(batch.created_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>spark_llm report {html.escape(batch['id'])}</title>
+<html lang="en"><head><meta charset="utf-8"><title>spark_llm report {html.escape(batch.id)}</title>
 <style>body{{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}}
 table{{border-collapse:collapse;margin-bottom:1em}}th,td{{border:1px solid #ccc;padding:4px 10px;text-align:left}}
 th{{background:#f4f4f4}}figure{{margin:0}}svg{{max-width:100%;height:auto}}</style></head><body>
-<h1>Batch {html.escape(batch['id'])}</h1><p>Started {created}.</p>{_simulated_banner(simulated)}
+<h1>Batch {html.escape(batch.id)}</h1><p>Started {created}.</p>{_simulated_banner(simulated)}
 <h2>Summary</h2><table>{summary}</table>
 {models}<h2>Errors by code</h2><table><tr><th>code</th><th>count</th></tr>{errors}</table>
 {figures}
-<script type="application/json" id="batch">{html.escape(json.dumps(batch))}</script>
+<script type="application/json" id="batch">{html.escape(json.dumps(batch.model_dump(mode="json")))}</script>
 </body></html>
 """
 

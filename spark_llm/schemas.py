@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import json
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict
@@ -122,37 +125,83 @@ OUTPUTS_STATS = ("id", "custom_id", "request_id", "created_at")
 ERRORS_STATS = ("id", "custom_id", "code", "created_at")
 EMBEDDINGS_STATS = ("id", "custom_id", "input_index", "created_at")
 
-#: Column -> comment of the metrics table, one row per inference partition (see metrics.py).
+def _column(dtype: T.DataType, comment: str, default: Any = dataclasses.MISSING) -> Any:
+    """A field of a table's record: its Spark type and its column comment in the field's metadata."""
+    return dataclasses.field(default=default, metadata={"type": dtype, "comment": comment})
+
+
+D, TS = T.DoubleType(), T.TimestampType()
+
+
+@dataclasses.dataclass(kw_only=True)
+class PartitionRecord:
+    """One inference partition, as the metrics table keeps it (a row each; :data:`METRICS_COLUMNS` follows from
+    these fields): made by its task (spark_llm.infer), staged with its results and sent to the driver's progress
+    line (spark_llm.metrics), given the run's layout when its wave commits (write.metrics_rows), read back for a
+    resumed batch's report. Times are epoch seconds here, timestamps in the table."""
+
+    batch_id: Optional[str] = _column(S, "Batch the partition belongs to", None)
+    run_id: Optional[str] = _column(S, "Run of the batch (a --resume run is a new run) that inferred the partition",
+                                    None)
+    task_slots: Optional[int] = _column(L, "Inference tasks that ran at once, as the run planned (engines x "
+                                           "tasks_per_engine)", None)
+    engines: Optional[int] = _column(L, "Engines the run planned for; busy_fraction's denominator", None)
+    wave: int = _column(L, "Wave (Delta commit) number, from 1")
+    partition: int = _column(L, "Planned partition index (numbered across the run's models)")
+    model: Optional[str] = _column(S, "Served name of the model the partition ran on (a batch may have several: "
+                                      "see models)", None)
+    worker_pid: Optional[int] = _column(L, "Python worker process that ran the partition", None)
+    engine_slot: Optional[str] = _column(S, "Engine slot that answered: gpu-<addresses> (the task's GPUs), or "
+                                            "cpu-<executor pid>-<n>", None)
+    engine_pid: Optional[int] = _column(L, "Engine process that answered (one per slot for the executor's life)",
+                                        None)
+    gpus: Optional[str] = _column(S, "GPU addresses Spark gave the task (empty without GPU scheduling)", None)
+    rows: int = _column(L, "Requests in the partition")
+    prompt_tokens: int = _column(L, "Prompt tokens of the partition's successful requests", 0)
+    cached_prompt_tokens: Optional[int] = _column(
+        L, "Prompt tokens the engine served from its prefix cache (vLLM's num_cached_tokens); / prompt_tokens is the "
+           "partition's prefix-cache hit rate", None)
+    completion_tokens: int = _column(L, "Generated tokens of the partition's successful requests", 0)
+    engine_deaths: Optional[int] = _column(L, "Engine deaths while the partition ran, earlier attempts' included "
+                                              "(see engine_host/isolation.py)", None)
+    engine_load_seconds: Optional[float] = _column(D, "Seconds the task waited for its engine to load (0 when it "
+                                                      "was ready: loaded by the warm-up or an earlier task)", None)
+    engine_seconds: Optional[float] = _column(D, "Seconds the partition's requests were in the engine (its "
+                                                 "streamed call; the slot's other feeder may have been in it too)",
+                                              None)
+    engine_started_at: Optional[float] = _column(TS, "When the partition's first requests went to the engine", None)
+    engine_finished_at: Optional[float] = _column(TS, "When its last answer came back; the union of these spans per "
+                                                      "engine is the engine's busy time", None)
+    tokens_per_second: Optional[float] = _column(D, "(prompt + generated tokens) / engine_seconds", None)
+    errors_by_code: str = _column(S, "JSON object: error code -> count in this partition", "{}")
+    started_at: Optional[float] = _column(TS, "When the task started", None)
+    finished_at: Optional[float] = _column(TS, "When the task finished", None)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "PartitionRecord":
+        return cls(**json.loads(text))
+
+    @classmethod
+    def from_row(cls, row: Any) -> "PartitionRecord":
+        """A row of the metrics table (a table written by an earlier version may lack a column: its default)."""
+        values = row.asDict()
+        return cls(**{f.name: _epoch(values[f.name]) for f in dataclasses.fields(cls) if f.name in values})
+
+    def errors(self) -> dict[str, int]:
+        """The partition's error rows by code."""
+        return json.loads(self.errors_by_code or "{}")
+
+
+def _epoch(value: Any) -> Any:
+    return value.timestamp() if isinstance(value, datetime.datetime) else value
+
+
+#: Column -> (type, comment) of the metrics table, one row per inference partition: :class:`PartitionRecord`'s.
 METRICS_COLUMNS: dict[str, tuple[T.DataType, str]] = {
-    "batch_id": (S, "Batch the partition belongs to"),
-    "run_id": (S, "Run of the batch (a --resume run is a new run) that inferred the partition"),
-    "task_slots": (L, "Inference tasks that ran at once, as the run planned (engines x tasks_per_engine)"),
-    "engines": (L, "Engines the run planned for; busy_fraction's denominator"),
-    "wave": (L, "Wave (Delta commit) number, from 1"),
-    "partition": (L, "Planned partition index (numbered across the run's models)"),
-    "model": (S, "Served name of the model the partition ran on (a batch may have several: see models)"),
-    "worker_pid": (L, "Python worker process that ran the partition"),
-    "engine_slot": (S, "Engine slot that answered: gpu-<addresses> (the task's GPUs), or cpu-<executor pid>-<n>"),
-    "engine_pid": (L, "Engine process that answered (one per slot for the executor's life)"),
-    "gpus": (S, "GPU addresses Spark gave the task (empty without GPU scheduling)"),
-    "rows": (L, "Requests in the partition"),
-    "prompt_tokens": (L, "Prompt tokens of the partition's successful requests"),
-    "cached_prompt_tokens": (L, "Prompt tokens the engine served from its prefix cache (vLLM's num_cached_tokens); "
-                                "/ prompt_tokens is the partition's prefix-cache hit rate"),
-    "completion_tokens": (L, "Generated tokens of the partition's successful requests"),
-    "engine_deaths": (L, "Engine deaths while the partition ran, earlier attempts' included (see engine_host/isolation.py)"),
-    "engine_load_seconds": (T.DoubleType(), "Seconds the task waited for its engine to load (0 when it was "
-                                           "ready: loaded by the warm-up or an earlier task)"),
-    "engine_seconds": (T.DoubleType(), "Seconds the partition's requests were in the engine (its streamed call; "
-                                       "the slot's other feeder may have been in it too)"),
-    "engine_started_at": (T.TimestampType(), "When the partition's first requests went to the engine"),
-    "engine_finished_at": (T.TimestampType(), "When its last answer came back; the union of these spans per "
-                                              "engine is the engine's busy time"),
-    "tokens_per_second": (T.DoubleType(), "(prompt + generated tokens) / engine_seconds"),
-    "errors_by_code": (S, "JSON object: error code -> count in this partition"),
-    "started_at": (T.TimestampType(), "When the task started"),
-    "finished_at": (T.TimestampType(), "When the task finished"),
-}
+    f.name: (f.metadata["type"], f.metadata["comment"]) for f in dataclasses.fields(PartitionRecord)}
 
 
 def json_string(col: Column) -> Column:

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from . import audio
 from .endpoints import BY_KIND
-from .endpoints.common import check_token_ids
+from .endpoints.common import ResponseOptions, check_token_ids
 from .errors import ErrorCode, RequestError
 from .media import AUDIO, MediaPolicy, image_tokens, label, measure, read_media
 from .partition import prefix_key
@@ -262,8 +262,9 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
                 ctx = contexts if isinstance(contexts, TokenContext) else contexts[model]
                 by_context.setdefault(ctx, []).append(i)
         for ctx, rows in by_context.items():
-            results = count_rows(get_tokenizer(ctx.tokenizer), [(kinds[i], prompts[i], sampling[i],
-                                                                 *_media(options[i])) for i in rows], ctx)
+            opts = {i: ResponseOptions.from_json(options[i]) for i in rows}
+            results = count_rows(get_tokenizer(ctx.tokenizer), [(kinds[i], prompts[i], sampling[i], opts[i].images,
+                                                                 opts[i].audio) for i in rows], ctx)
             for i, res in zip(rows, results):
                 n_col[i] = res["prompt_tokens"]
                 if res["error_code"] is not None:
@@ -271,18 +272,9 @@ def count_batches(batches: Iterator, contexts: TokenContext | Mapping[str, Token
                     continue
                 sampling[i], max_tokens[i] = res["sampling_json"], res["max_tokens"]
                 ids_col[i], est_col[i], notes_col[i] = res["prompt_token_ids"], res["est_tokens"], res["notes"]
-                key_col[i] = prefix_key(res["prompt_token_ids"][0],
-                                        json.loads(options[i]).get("adapter") if options[i] else None)
+                key_col[i] = prefix_key(res["prompt_token_ids"][0], opts[i].adapter)
         yield pdf.assign(**{"error_code": codes, "error_message": messages, "sampling_json": sampling,
                             "max_tokens": pd.array(max_tokens, dtype="Int64"), "prompt_token_ids": ids_col,
                             "prompt_tokens": pd.array(n_col, dtype="Int64"),
                             "est_tokens": pd.array(est_col, dtype="Int64"),
                             PREFIX_COL: pd.array(key_col, dtype="Int64"), "notes": notes_col})
-
-
-def _media(options_json: Optional[str]) -> tuple[Optional[list[str]], Optional[str]]:
-    """The image URLs of a request (its options' ``images``) and where its audio is (``audio``), or None."""
-    if not options_json or ('"images"' not in options_json and '"audio"' not in options_json):
-        return None, None
-    options = json.loads(options_json)
-    return options.get("images"), options.get("audio")

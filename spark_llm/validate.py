@@ -253,9 +253,9 @@ def _check_envelope(obj: dict, row: dict, ctx: ValidationContext) -> None:
     endpoint = ENDPOINTS[url]
     checked = endpoint.check(body, ctx)
     if adapter is not None:  # the engine runs the base model with this LoRA adapter; the response names it
-        checked.options["adapter"] = adapter
+        checked.options.adapter = adapter
     row.update(url=url, kind=endpoint.KIND, model=ctx.served_model_name, prompt_json=_dumps(checked.prompt),
-               sampling_json=_dumps(checked.sampling), options_json=_dumps(checked.options),
+               sampling_json=_dumps(checked.sampling), options_json=checked.options.to_json(),
                max_tokens=checked.sampling["max_tokens"])
 
 

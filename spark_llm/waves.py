@@ -15,23 +15,23 @@ shuffle runs when the wave is submitted (a local checkpoint), not when its first
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from . import faults, storage, write
 from .background import EngineJob, SparkJobInBackground
+from .batch import RunPlan
 from .context import RunContext, waves_tag
 from .infer import InferContext, infer_partition
 from .metrics import ProgressReporter, progress_line
 from .partition import PART_COL, PartitionPlan, materialize, plan_in_process, plan_partitions, plan_settings
 from .prepare import LocalRows, Outcomes
-from .schemas import RESULT_SCHEMA
+from .schemas import RESULT_SCHEMA, PartitionRecord
 from .session import FIRST_POOL, URGENT_POOL, WAVES_POOL, scheduler_pool
 from .session_info import is_connect
 from .warmup import EngineWarmup
@@ -75,7 +75,7 @@ class Committed:
     """What waves committed: the metrics table's new rows (as it got them: see write.metrics_rows) and the number
     of error rows and of outputs."""
 
-    records: tuple[dict, ...] = ()
+    records: tuple[PartitionRecord, ...] = ()
     error_rows: int = 0
     responses: int = 0
 
@@ -89,7 +89,7 @@ class Inferred:
     """What a run's inference did: its partition plan (batch.json's ``partition_plan``; None when nothing reached
     inference) and what it committed."""
 
-    plan: Optional[dict] = None
+    plan: Optional[RunPlan] = None
     committed: Committed = Committed()
 
 
@@ -111,7 +111,7 @@ def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmu
         return infer_in_waves(run, valid, warmup, planned_here=local.valid() if local is not None else None)
     counts = local.valid_per_model() if local is not None else {
         r["model"]: int(r["count"]) for r in valid.groupBy("model").count().collect()}  # a row per model
-    plans: dict[str, dict] = {}
+    plans: dict[str, RunPlan] = {}
     committed = Committed()
     numbering = Numbering()
     for cfg in run.models:
@@ -126,28 +126,8 @@ def infer_models(run: RunContext, valid: DataFrame, warmup: Optional[EngineWarmu
                                   local.valid(name) if local is not None else None)
         plan = plans[name] = inferred.plan
         committed += inferred.committed
-        numbering = Numbering(numbering.waves + plan["waves"], numbering.partitions + plan["num_partitions"])
-    return Inferred(merged_plan(plans), committed)
-
-
-def merged_plan(plans: dict[str, dict]) -> dict:
-    """The plans of several models as one (partitions in the order they ran), each model's under ``models``."""
-    return {**joined_plan(list(plans.values())), "models": plans}
-
-
-def joined_plan(plans: Sequence[dict]) -> dict:
-    """Plans made one after the other in a run (its models', or the parts of an input prepared in parts) as one,
-    their partitions in the order they ran."""
-    tokens = [t for p in plans for t in p["tokens_per_partition"]]
-    mean = sum(tokens) / len(tokens) if tokens else 0
-    return {"num_partitions": len(tokens), "task_slots": max(p["task_slots"] for p in plans),
-            "engines": max(p["engines"] for p in plans),
-            "total_estimated_tokens": sum(p["total_estimated_tokens"] for p in plans),
-            "target_tokens_per_partition": plans[0]["target_tokens_per_partition"],
-            "tokens_per_partition": tokens,
-            "requests_per_partition": [r for p in plans for r in p["requests_per_partition"]],
-            "balance_ratio": round(max(tokens) / mean, 4) if mean else 1.0,
-            "waves": sum(p["waves"] for p in plans)}
+        numbering = Numbering(numbering.waves + plan.waves, numbering.partitions + plan.num_partitions)
+    return Inferred(RunPlan.of_models(plans), committed)
 
 
 @dataclass(frozen=True)
@@ -180,111 +160,128 @@ def infer_in_waves(run: RunContext, valid: DataFrame, warmup: Optional[EngineWar
     runs, so no engine waits for the slowest partition of a wave; when wave k ends, wave k+2 is submitted and wave
     k's commit starts in the background, so the engines always have the next wave while earlier ones commit.
     Commits stay one at a time and in wave order; a crash loses at most the waves not yet committed."""
-    layout = run.layout
     if warmup is not None:
         warmup.wait()
-    target, aware = plan_settings(run.cfg, layout), run.cfg.prefix_aware_partitions
-    per_wave = run.cfg.wave_partitions or 2 * layout.tasks
+    return _WaveLoop(run, numbering).run(valid, planned_here, rest)
 
-    def planned(run: RunContext, valid: DataFrame, here: Any, before: Numbering) -> tuple[_Part, list[Wave]]:
-        run.describe("plan partitions")
-        plan = plan_in_process(here, target, prefix_aware=aware) if here is not None else \
-            plan_partitions(valid, target, prefix_aware=aware)
-        waves = waves_of(plan.num_partitions, per_wave, before.waves)
-        return _Part(valid, plan, InferContext.of_run(run, before.partitions), len(waves)), waves
 
-    part, waves = planned(run, valid, planned_here, numbering)
-    if rest is not None:  # the run's count of waves comes with the rest
-        waves = [replace(w, of=0) for w in waves]
-    parts, queue = [part], deque((part, w) for w in waves)
-    current = {"wave": Wave(numbering.waves, waves[-1].of, 0, 0).label}
-    committed = Committed()  # by the waves committed so far
-    # live from the tasks where the session has accumulators, else as the waves commit (Spark Connect)
-    model = run.cfg.served_model_name
-    label = run.batch_id if len(run.models) < 2 else f"{run.batch_id} ({model})"  # several models: one line each
-    records = lambda: [r for r in (run.metrics.value if run.metrics is not None else committed.records)  # noqa: E731
-                       if r.get("model", model) == model]
-    line = lambda: progress_line(label, records(), sum(sum(p.plan.requests_per_partition) for p in parts),  # noqa
-                                 run.started, current["wave"])
-    in_flight: deque[_WaveJob] = deque()
-    commits: deque[_CommitJob] = deque()
+class _WaveLoop:
+    """The waves of one model's requests as :func:`infer_in_waves` runs them: the parts planned, the waves not yet
+    submitted (``queue``), those inferring (``in_flight``, at most :data:`WAVES_IN_FLIGHT`) and the commits running
+    or waiting (``commits``, at most :data:`COMMITS_IN_FLIGHT`)."""
 
-    def committed_by(job: _CommitJob) -> None:
-        nonlocal committed
-        wave = job.result()
-        committed += wave
-        run.listener.committed(wave.responses, wave.error_rows)
+    def __init__(self, run: RunContext, numbering: Numbering):
+        self.ctx, self.numbering = run, numbering  # ctx: the run's, replaced by the rest's once it is prepared
+        self.target, self.aware = plan_settings(run.cfg, run.layout), run.cfg.prefix_aware_partitions
+        self.per_wave = run.cfg.wave_partitions or 2 * run.layout.tasks
+        self.parts: list[_Part] = []
+        self.queue: deque[tuple[_Part, Wave]] = deque()
+        self.in_flight: deque[_WaveJob] = deque()
+        self.commits: deque[_CommitJob] = deque()
+        self.committed = Committed()  # by the waves committed so far
+        self.wave_label = ""  # the wave submitted last, for the progress line
 
-    def commit(job: _WaveJob) -> None:  # in the background, after the one before; a bounded number at a time
-        commits.append(_CommitJob(run, job, commits[-1] if commits else None))
-        while len(commits) > COMMITS_IN_FLIGHT or (commits and not commits[0].thread.is_alive()):
-            committed_by(commits.popleft())
+    def run(self, valid: DataFrame, planned_here: Any, rest: Optional[Rest]) -> Inferred:
+        first = self._plan(valid, planned_here, self.numbering, count_known=rest is None)
+        self.wave_label = Wave(self.numbering.waves, self.queue[-1][1].of if self.queue else 0, 0, 0).label
+        try:
+            with ProgressReporter(self._progress, self.ctx.cfg.progress_interval_seconds):
+                while self.queue:
+                    self._submit_next()
+                    if rest is not None:  # the first wave infers while the rest is prepared
+                        self._plan_the_rest(rest, len(first))
+                        rest = None
+                while self.in_flight:
+                    self._commit(self._oldest_finished())
+                self.ctx.listener.inference_ended()
+                while self.commits:
+                    self._count(self.commits.popleft())
+            storage.delete(self.ctx.spark, self.ctx.paths.staging)
+        except BaseException:
+            self.ctx.cancel_jobs()  # the waves still inferring
+            for job in [*self.in_flight, *self.commits]:
+                job.thread.join()
+            raise
+        return Inferred(RunPlan.joined([RunPlan(**p.plan.as_dict(), waves=p.waves) for p in self.parts]),
+                        self.committed)
 
-    def submit(part: _Part, wave: Wave) -> _WaveJob:
-        epoch = run.listener.before_wave()
+    def _plan(self, valid: DataFrame, here: Any, before: Numbering, count_known: bool = True) -> list[Wave]:
+        """Plan ``valid``'s partitions and queue their waves, numbered after ``before``'s; without
+        ``count_known``, the run's count of waves is not known yet (it comes with the rest)."""
+        self.ctx.describe("plan partitions")
+        plan = plan_in_process(here, self.target, prefix_aware=self.aware) if here is not None else \
+            plan_partitions(valid, self.target, prefix_aware=self.aware)
+        waves = waves_of(plan.num_partitions, self.per_wave, before.waves)
+        part = _Part(valid, plan, InferContext.of_run(self.ctx, before.partitions), len(waves))
+        self.parts.append(part)
+        self.queue.extend((part, w if count_known else replace(w, of=0)) for w in waves)
+        return waves
+
+    def _plan_the_rest(self, ask: Rest, first_waves: int) -> None:
+        """The rest of an input prepared in parts, planned after the waves of the first part."""
+        self.ctx, valid_rest, here = ask()
+        first = self.parts[0]
+        done = Numbering(self.numbering.waves + first_waves, self.numbering.partitions + first.plan.num_partitions)
+        more = self._plan(valid_rest, here, done) if here.num_rows else []
+        total = self.numbering.waves + first_waves + len(more)
+        for i, (p, w) in enumerate(self.queue):  # every wave not yet submitted, with the run's count
+            self.queue[i] = (p, replace(w, of=total))
+
+    def _submit_next(self) -> None:
+        """Submit the next queued wave; when as many waves as may are inferring, the oldest's end first (its slots
+        are free: the next wave takes them before the oldest is committed)."""
+        part, wave = self.queue.popleft()
+        done = self._oldest_finished() if len(self.in_flight) == WAVES_IN_FLIGHT else None
+        self.in_flight.append(self._submit(part, wave))
+        self.wave_label = wave.label
+        if done is not None:
+            self._commit(done)
+
+    def _submit(self, part: _Part, wave: Wave) -> "_WaveJob":
+        epoch = self.ctx.listener.before_wave()
         # the calls of a wave cancelled for a yield left in-flight markers that are no engine deaths: after a yield
         # the partitions keep their journals apart (a real poison request is found again there)
         journal = f"{part.ictx.journal}/yield-{epoch}" if epoch and part.ictx.journal else part.ictx.journal
-        return _WaveJob(run, part, wave, replace(part.ictx, wave=wave.number, journal=journal), epoch)
+        return _WaveJob(self.ctx, part, wave, replace(part.ictx, wave=wave.number, journal=journal), epoch)
 
-    def finished() -> _WaveJob:
+    def _oldest_finished(self) -> "_WaveJob":
         """The oldest wave in flight once it has ended, popped. When the run yielded its slots meanwhile (the
         waves were cancelled), every wave in flight that did not end runs again, in order, when the run may."""
         while True:
-            job = in_flight[0]
+            job = self.in_flight[0]
             try:
                 job.wait()
-                return in_flight.popleft()
+                return self.in_flight.popleft()
             except Exception:
-                if not run.listener.yielded(job.epoch):
+                if not self.ctx.listener.yielded(job.epoch):
                     raise
             log.info("batch %s: wave %s yielded its task slots to a more urgent batch; it runs again",
-                     run.batch_id, job.wave.label)
-            for i, other in enumerate(in_flight):
+                     self.ctx.batch_id, job.wave.label)
+            for i, other in enumerate(self.in_flight):
                 other.thread.join()
                 if other.error is not None:  # cancelled (a real failure fails again)
-                    in_flight[i] = submit(other.part, other.wave)
+                    self.in_flight[i] = self._submit(other.part, other.wave)
 
-    def plan_the_rest(ask: Rest) -> None:
-        """The rest of an input prepared in parts, planned after the waves of the first part."""
-        nonlocal run
-        run, valid_rest, here = ask()
-        done = Numbering(numbering.waves + len(waves), numbering.partitions + part.plan.num_partitions)
-        more: list[Wave] = []
-        if here.num_rows:
-            rest_part, more = planned(run, valid_rest, here, done)
-            parts.append(rest_part)
-            queue.extend((rest_part, w) for w in more)
-        total = len(waves) + len(more)
-        for i, (p, w) in enumerate(queue):  # every wave not yet submitted, with the run's count
-            queue[i] = (p, replace(w, of=numbering.waves + total))
+    def _commit(self, job: "_WaveJob") -> None:
+        """Commit a finished wave in the background, after the one before; a bounded number at a time."""
+        self.commits.append(_CommitJob(self.ctx, job, self.commits[-1] if self.commits else None))
+        while len(self.commits) > COMMITS_IN_FLIGHT or (self.commits and not self.commits[0].thread.is_alive()):
+            self._count(self.commits.popleft())
 
-    try:
-        with ProgressReporter(line, run.cfg.progress_interval_seconds):
-            while queue:
-                part_of_wave, wave = queue.popleft()
-                done = None
-                if len(in_flight) == WAVES_IN_FLIGHT:
-                    done = finished()  # its slots are free: the next wave takes them before this one is committed
-                in_flight.append(submit(part_of_wave, wave))
-                current["wave"] = wave.label
-                if rest is not None:  # the first wave infers while the rest is prepared
-                    plan_the_rest(rest)
-                    rest = None
-                if done is not None:
-                    commit(done)
-            while in_flight:
-                commit(finished())
-            run.listener.inference_ended()
-            while commits:
-                committed_by(commits.popleft())
-        storage.delete(run.spark, run.paths.staging)
-    except BaseException:
-        run.cancel_jobs()  # the waves still inferring
-        for job in [*in_flight, *commits]:
-            job.thread.join()
-        raise
-    return Inferred(joined_plan([{**p.plan.as_dict(), "waves": p.waves} for p in parts]), committed)
+    def _count(self, job: "_CommitJob") -> None:
+        wave = job.result()
+        self.committed += wave
+        self.ctx.listener.committed(wave.responses, wave.error_rows)
+
+    def _progress(self) -> str:
+        """The progress line: live from the tasks where the session has accumulators, else as the waves commit
+        (Spark Connect)."""
+        run, model = self.ctx, self.ctx.cfg.served_model_name
+        label = run.batch_id if len(run.models) < 2 else f"{run.batch_id} ({model})"  # several models: one each
+        records = [r for r in (run.metrics.value if run.metrics is not None else self.committed.records)
+                   if r.model == model]
+        total = sum(sum(p.plan.requests_per_partition) for p in self.parts)
+        return progress_line(label, records, total, run.started, self.wave_label)
 
 
 class _WaveJob(EngineJob):
@@ -351,10 +348,10 @@ def _commit_staged(run: RunContext, plan: PartitionPlan, job: _WaveJob) -> Commi
     return Committed(tuple(rows), got.errors, got.ok)
 
 
-def _staged_outcomes(staged: DataFrame) -> tuple[Outcomes, list[dict]]:
+def _staged_outcomes(staged: DataFrame) -> tuple[Outcomes, list[PartitionRecord]]:
     """Rows and error rows of a staged wave and its partitions' metrics records, in one aggregate (one row, one
     small record per partition, reaches the driver)."""
     r = staged.agg(F.count(F.lit(1)).alias("rows"), F.count("error_code").alias("errors"),
                    F.collect_list("partition_metrics").alias("records")).first()
-    records = sorted((json.loads(x) for x in r["records"]), key=lambda rec: rec["partition"])
+    records = sorted((PartitionRecord.from_json(x) for x in r["records"]), key=lambda rec: rec.partition)
     return Outcomes(rows=int(r["rows"]), errors=int(r["errors"])), records

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Callable, Iterator
 
 from pyspark.sql import DataFrame
@@ -28,7 +28,7 @@ from .errors import UNANSWERED_CODES, ErrorCode
 from .models import tasks_of
 from .partition import PartitionPlan
 from .schemas import (EMBEDDINGS_COLUMNS, EMBEDDINGS_STATS, ERRORS_COLUMNS, ERRORS_STATS, METRICS_COLUMNS,
-                      OUTPUTS_COLUMNS, OUTPUTS_STATS, json_string)
+                      OUTPUTS_COLUMNS, OUTPUTS_STATS, PartitionRecord, json_string)
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,8 @@ def insert_errors_meanwhile(run: RunContext, rows: DataFrame) -> RunContext:
                                                           lambda: insert_errors(run, rows)))
 
 
-def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int, records: list[dict],
-                plan: PartitionPlan) -> list[dict]:
+def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int,
+                records: list[PartitionRecord], plan: PartitionPlan) -> list[PartitionRecord]:
     """One wave's inference results (``responses`` + ``errors`` rows) into their tables and its partitions' records
     into the metrics table: one write per table (none for a table that gets no rows), all at once, since writes
     of different tables do not conflict. Returns the metrics table's new rows (:func:`metrics_rows`)."""
@@ -193,7 +193,8 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
     if rows:
         def metrics() -> None:
             with turn(run, run.paths.metrics_table):
-                storage.append_records(run.spark, rows, run.paths.metrics_table, METRICS_COLUMNS)
+                storage.append_records(run.spark, [asdict(r) for r in rows], run.paths.metrics_table,
+                                       METRICS_COLUMNS)
         writes.append(metrics)
     others = [SparkJobInBackground(run.spark, f"spark_llm-commit-{n}", w) for n, w in enumerate(writes[1:])]
     try:
@@ -205,14 +206,12 @@ def commit_wave(run: RunContext, results: DataFrame, responses: int, errors: int
     return rows
 
 
-def metrics_rows(run: RunContext, records: list[dict], plan: PartitionPlan) -> list[dict]:
+def metrics_rows(run: RunContext, records: list[PartitionRecord], plan: PartitionPlan) -> list[PartitionRecord]:
     """A wave's partition records (one small row each) as the metrics table gets them, with the run's layout, so
     that the table, the report and batch.json describe every run of the batch, including one that crashed after
-    this wave: the table's columns, times in epoch seconds (the table holds them as timestamps)."""
-    layout = {"batch_id": run.batch_id, "run_id": run.run_id, "task_slots": plan.task_slots,
-              "engines": plan.engines or plan.task_slots}
-    rows = [{**r, **layout} for r in records]
-    return [{name: row.get(name) for name in METRICS_COLUMNS} for row in rows]
+    this wave."""
+    return [replace(r, batch_id=run.batch_id, run_id=run.run_id, task_slots=plan.task_slots,
+                    engines=plan.engines or plan.task_slots) for r in records]
 
 
 # ---- OpenAI JSONL -----------------------------------------------------------------------------------------------

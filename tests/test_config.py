@@ -82,7 +82,7 @@ def test_stage_contexts_and_the_engine_spec_are_views_of_the_config():
     v = config_view(ValidationContext, cfg)
     assert (v.max_n, v.default_top_p, v.served_model_name) == (3, 0.5, "m")
     spec = EngineSpec.from_config(cfg)
-    assert set(spec.settings) == set(BatchConfig.fields_of("engine"))
+    assert set(type(spec.settings).model_fields) == set(BatchConfig.fields_of("engine"))
     assert spec.llm_kwargs()["max_model_len"] == 64
 
 

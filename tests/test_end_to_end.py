@@ -214,16 +214,16 @@ def test_metrics_table_agrees_with_the_outputs(spark, run):
         .where(F.col("batch_id") == "b-e2e").collect()
     outs = outputs_df(spark, result).agg(F.sum("prompt_tokens"), F.sum("completion_tokens")).first()
     plan = result.batch.partition_plan
-    assert sorted(m["partition"] for m in metrics) == list(range(plan["num_partitions"]))
-    assert sum(m["rows"] for m in metrics) == sum(plan["requests_per_partition"])
+    assert sorted(m["partition"] for m in metrics) == list(range(plan.num_partitions))
+    assert sum(m["rows"] for m in metrics) == sum(plan.requests_per_partition)
     assert sum(m["prompt_tokens"] for m in metrics) == outs[0] == result.batch.usage.input_tokens
     assert sum(m["completion_tokens"] for m in metrics) == outs[1] == result.batch.usage.output_tokens
     assert sum(json.loads(m["errors_by_code"]).get("engine_error", 0) for m in metrics) == 3  # 1 rejected, 2 poison
     assert all(m["engine_seconds"] > 0 and m["finished_at"] >= m["started_at"] for m in metrics)
     # busy fraction: the time each engine had requests of some partition, over (engines x the run's inference
     # wall), one run; counted here on a 10 ms grid
-    assert len({m["run_id"] for m in metrics}) == 1 and {m["task_slots"] for m in metrics} == {plan["task_slots"]}
-    assert {m["engines"] for m in metrics} == {plan["engines"]} and plan["task_slots"] % plan["engines"] == 0
+    assert len({m["run_id"] for m in metrics}) == 1 and {m["task_slots"] for m in metrics} == {plan.task_slots}
+    assert {m["engines"] for m in metrics} == {plan.engines} and plan.task_slots % plan.engines == 0
     assert all(m["engine_started_at"] <= m["engine_finished_at"] for m in metrics)
     start = min(m["started_at"] for m in metrics).timestamp()
     wall = max(m["finished_at"] for m in metrics).timestamp() - start
@@ -235,14 +235,14 @@ def test_metrics_table_agrees_with_the_outputs(spark, run):
                 ticks.update(range(round((m["engine_started_at"].timestamp() - start) * 100),
                                    round((m["engine_finished_at"].timestamp() - start) * 100)))
         busy_ticks += len(ticks)
-    busy = busy_ticks / 100 / (plan["engines"] * wall)
-    assert plan["runs"] == 1 and plan["busy_fraction"] == pytest.approx(busy, abs=5e-3) and 0 < busy <= 1
-    assert f"engines busy {plan['busy_fraction']:.1%}" in result.summary()
+    busy = busy_ticks / 100 / (plan.engines * wall)
+    assert plan.runs == 1 and plan.busy_fraction == pytest.approx(busy, abs=5e-3) and 0 < busy <= 1
+    assert f"engines busy {plan.busy_fraction:.1%}" in result.summary()
     # the engines' prefix-cache counts: per partition in the table, per request in the bodies, the same total
     details = [json.loads(r["response_body"])["usage"] for r in outputs_df(spark, result).collect()]
     cached = sum((u.get("prompt_tokens_details") or u.get("input_tokens_details"))["cached_tokens"] for u in details)
     assert sum(m["cached_prompt_tokens"] for m in metrics) == cached
-    assert plan["prefix_cache_hit_rate"] == round(cached / outs[0], 4)
+    assert plan.prefix_cache_hit_rate == round(cached / outs[0], 4)
 
 
 def test_report_html_has_the_summary_and_plots(run):
@@ -251,12 +251,12 @@ def test_report_html_has_the_summary_and_plots(run):
     assert page.startswith("<!doctype html>") and "Batch b-e2e" in page
     for name in PLOTS:  # inline SVG, one bar per partition in the per-partition plots
         assert f'<svg role="img" aria-label="{name}"' in page
-    partitions = len(result.batch.partition_plan["tokens_per_partition"])
+    partitions = len(result.batch.partition_plan.tokens_per_partition)
     balance = page.split(f'aria-label="{PLOTS[1]}"')[1].split("</svg>")[0]
     assert balance.count("<rect") == partitions
     invalid_json = sum(1 for outcome in expected.values() if outcome == "invalid_json")
     assert "<td>engine_error</td><td>3</td>" in page and f"<td>invalid_json</td><td>{invalid_json}</td>" in page
-    busy = result.batch.partition_plan["busy_fraction"]
+    busy = result.batch.partition_plan.busy_fraction
     assert f"<th>engine busy fraction (busy time / (engines x inference wall))</th><td>{busy:.1%}</td>" in page
 
 
@@ -319,7 +319,7 @@ def test_dry_run_plans_the_same_batch_without_an_engine_or_writes(spark, run, ti
     # the same token counts as the run: its prompts, plus the three short ones that ended as engine errors
     assert 0 < plan.prompt_tokens - result.batch.usage.input_tokens < 3 * 32
     assert plan.max_output_tokens >= result.batch.usage.output_tokens
-    assert (plan.partitions, plan.waves) == (result.batch.partition_plan["num_partitions"], 1)
+    assert (plan.partitions, plan.waves) == (result.batch.partition_plan.num_partitions, 1)
     assert plan.engine_seconds == (plan.prompt_tokens + plan.max_output_tokens) / 100.0
     assert "engine time" in plan.summary() and "100 tokens/s" in plan.summary()
     # nothing written, no engine started (engines of earlier runs may still be recording their stops)
@@ -425,5 +425,5 @@ def test_a_large_local_input_prepared_in_two_parts_infers_the_first_while_the_re
         == list(range(1, 31))
     assert {(r.line_number, r.code) for r in err.collect()} == {(5, "invalid_json"), (23, "duplicate_custom_id")}
     plan = result.batch.partition_plan
-    assert plan["waves"] == 2 and sum(plan["requests_per_partition"]) == 28
-    assert plan["num_partitions"] == len(plan["tokens_per_partition"]) == len(plan["requests_per_partition"]) > 1
+    assert plan.waves == 2 and sum(plan.requests_per_partition) == 28
+    assert plan.num_partitions == len(plan.tokens_per_partition) == len(plan.requests_per_partition) > 1

@@ -144,7 +144,7 @@ def test_prompt_tokens_are_the_engine_s_and_count_each_image(spark, image_run):
 def test_image_lines_balance_their_partitions_and_the_tables_hold_no_image_bytes(spark, image_run):
     result, _, _ = image_run
     plan = result.batch.partition_plan
-    assert plan["num_partitions"] >= 4 and plan["balance_ratio"] < 1.05, plan
+    assert plan.num_partitions >= 4 and plan.balance_ratio < 1.05, plan
     requests = [r["request"] for r in spark.read.format("delta").load(result.paths.outputs_table)
                 .where("custom_id like 'many-%' or custom_id = 'data-url'").select("request").collect()]
     assert requests and all("base64,<" in r and "iVBOR" not in r for r in requests)  # no PNG bytes

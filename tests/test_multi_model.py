@@ -103,8 +103,8 @@ def test_batch_json_and_the_report_name_every_model(mixed):
     batch = result.batch
     assert batch.model == f"{MODEL_NAME},{EMBED}"
     plan = batch.partition_plan
-    assert set(plan["models"]) == {MODEL_NAME, EMBED}
-    assert plan["num_partitions"] == sum(p["num_partitions"] for p in plan["models"].values())
+    assert set(plan.models) == {MODEL_NAME, EMBED}
+    assert plan.num_partitions == sum(p.num_partitions for p in plan.models.values())
     assert "embeddings_table" in batch.metadata
     report = Path(batch.metadata["report_file"]).read_text()
     assert "<h2>Models</h2>" in report and f"<td>{EMBED}</td>" in report

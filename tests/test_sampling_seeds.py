@@ -43,8 +43,8 @@ def test_with_engine_seeds_each_engine_process_gets_a_seed_of_its_own():
     assert len({engine_seed(0, f"cpu-1-{n}", "host", pid) for n in range(4) for pid in (10, 11)}) == 8
     spec = EngineSpec.from_config(BatchConfig(model="m", seed=3, sampling_seeds="engine"))
     own = seeded_for(spec, "cpu-1-0")
-    assert own.settings["seed"] == engine_seed(3, "cpu-1-0", socket.gethostname(), os.getpid())
-    assert own.llm_kwargs()["seed"] == own.settings["seed"] and "sampling_seeds" not in own.llm_kwargs()
+    assert own.settings.seed == engine_seed(3, "cpu-1-0", socket.gethostname(), os.getpid())
+    assert own.llm_kwargs()["seed"] == own.settings.seed and "sampling_seeds" not in own.llm_kwargs()
     same = EngineSpec.from_config(BatchConfig(model="m", seed=3))
     assert seeded_for(same, "cpu-1-0") is same and same.llm_kwargs()["seed"] == 3  # vLLM's engine seed as set
 
@@ -79,7 +79,7 @@ def test_one_prompt_sampled_many_times_over_two_engines_gives_distinct_answers_w
     assert first.completed == len(lines)
     metrics = spark.read.format("delta").load(first.batch.metadata["metrics_table"]) \
         .where("batch_id = 'b-samples'").select("engine_slot").distinct().count()
-    assert (first.batch.partition_plan["num_partitions"], metrics) == (2, 2)  # a partition per engine
+    assert (first.batch.partition_plan.num_partitions, metrics) == (2, 2)  # a partition per engine
     answers = _answers(first.output_dir)
     sampled = [answers[sample(i)][0] for i in range(SAMPLES)] + answers[sample("n3")]
     assert len(set(sampled)) == len(sampled), sampled  # independent draws: none shared
@@ -87,7 +87,7 @@ def test_one_prompt_sampled_many_times_over_two_engines_gives_distinct_answers_w
 
     again = run_batch(spark, BatchConfig(**{**settings, "target_tokens_per_partition": 60},
                                          output_dir=str(tmp_path / "more"), batch_id="b-samples-again"))
-    assert again.batch.partition_plan["num_partitions"] > first.batch.partition_plan["num_partitions"]
+    assert again.batch.partition_plan.num_partitions > first.batch.partition_plan.num_partitions
     assert _answers(again.output_dir) == answers
 
 
@@ -134,7 +134,7 @@ def test_a_mix_of_sampling_shapes_with_long_prompts_is_answered_once_whatever_th
     again = run_batch(spark, BatchConfig(**{**settings, "input": str(tmp_path / "sampled.jsonl"),
                                             "target_tokens_per_partition": 2_000},
                                          output_dir=str(tmp_path / "more"), batch_id="b-mix"))
-    assert again.batch.partition_plan["num_partitions"] > 2
+    assert again.batch.partition_plan.num_partitions > 2
     assert _answers(again.output_dir) == {line["custom_id"]: answers[line["custom_id"]] for line in sampled}
 
 

@@ -10,10 +10,10 @@ from conftest import eventually
 from spark_llm.config import ConfigError
 from spark_llm.service.files import TextCheck, check_filename
 from spark_llm.service.lifecycle import CANCELLABLE, FINAL, TIMESTAMP, TRANSITIONS, Status, sources
-from spark_llm.batch import Batch, BatchErrors
+from spark_llm.batch import Batch, BatchErrors, RequestCounts
 from spark_llm.service.protocol import APIError, BatchCreate, FileObject
 from spark_llm.service.settings import ServiceSettings
-from spark_llm.service.store import BatchRecord, FileRecord, Store
+from spark_llm.service.store import BatchChange, BatchRecord, FileRecord, Store
 
 
 def test_every_status_but_validating_is_reached_and_stamped_in_a_batch_field():
@@ -47,12 +47,13 @@ def store(tmp_path):
 def test_a_status_moves_only_where_the_lifecycle_allows_and_stamps_its_time(store):
     _add(store, _batch("b1"))
     assert store.move("b1", Status.COMPLETED) is None  # validating -> completed skips in_progress, finalizing
-    moved = store.move("b1", Status.IN_PROGRESS, now=100, total=3)
+    moved = store.move("b1", Status.IN_PROGRESS, BatchChange(counts=RequestCounts(total=3, completed=0, failed=0)),
+                       now=100)
     assert (moved.status, moved.in_progress_at, moved.request_counts.total) == (Status.IN_PROGRESS, 100, 3)
     assert store.move("b1", Status.CANCELLING, now=101).cancelling_at == 101
     assert store.move("b1", Status.FINALIZING) is None  # a cancel won the race
     store.add_counts("b1", completed=2, failed=1)
-    done = store.move("b1", Status.CANCELLED, errors={"object": "list", "data": []})
+    done = store.move("b1", Status.CANCELLED, BatchChange(errors=BatchErrors(data=[])))
     counts = done.request_counts
     assert (counts.completed, counts.failed, done.errors) == (2, 1, BatchErrors(data=[]))
     assert [b.id for b in store.unfinished()] == []

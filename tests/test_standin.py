@@ -160,7 +160,7 @@ def test_nothing_of_the_stand_in_is_reached_without_its_setting():
     import subprocess
 
     assert BatchConfig(model="/m").engine_standin is None
-    assert EngineSpec.from_config(BatchConfig(model="/m")).settings["engine_standin"] is None
+    assert EngineSpec.from_config(BatchConfig(model="/m")).standin is None
     code = ("import sys, spark_llm.engine_host.server, spark_llm.infer, spark_llm.cli; "
             "print('spark_llm.engine_host.standin' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

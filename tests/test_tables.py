@@ -182,7 +182,7 @@ def test_catalog_table_run_into_managed_result_tables_and_the_same_batch_id(spar
     assert spark.table("llm.batch_errors").where("batch_id = 'tbl-b'").count() == 1
     # the redone batch's metrics are its one run's: the report and a later --resume do not count the first run
     runs = spark.table("llm.batch_metrics").where("batch_id = 'tbl-b'").select("run_id").distinct().count()
-    assert runs == 1 and again.batch.partition_plan["runs"] == 1
+    assert runs == 1 and again.batch.partition_plan.runs == 1
 
 
 @pytest.mark.engine
@@ -273,12 +273,12 @@ def test_crash_after_first_wave_then_resume_is_exactly_once_on_s3(spark, s3, tin
     # the report describes the whole batch: the crashed run's committed wave and the resumed run's waves
     metrics = spark.read.format("delta").load(f"{out}/delta/metrics").collect()
     plan = resumed.batch.partition_plan
-    assert plan["runs"] == 2 == len({m["run_id"] for m in metrics})
-    assert plan["partitions_run"] == len(metrics) and sum(m["rows"] for m in metrics) == 7  # 6 answered + 1 rejected
+    assert plan.runs == 2 == len({m["run_id"] for m in metrics})
+    assert plan.partitions_run == len(metrics) and sum(m["rows"] for m in metrics) == 7  # 6 answered + 1 rejected
 
     done = run_batch(spark, BatchConfig(**cfg))  # a finished batch: nothing new
     assert done.skipped == 8 and done.completed == 6 and done.failed == 2
-    assert done.batch.partition_plan["runs"] == 2 and done.batch.partition_plan["engine_seconds"] > 0
+    assert done.batch.partition_plan.runs == 2 and done.batch.partition_plan.engine_seconds > 0
     retried = run_batch(spark, BatchConfig(**{**cfg, "retry_errors": True}))  # the engine error runs again, once
     assert retried.skipped == 7
     assert spark.read.format("delta").load(resumed.errors_table).count() == 2

@@ -211,7 +211,8 @@ def test_a_worker_waits_for_the_engine_deciding_the_tokenizer_class_and_loads_wh
     env = {**__import__("os").environ, "SPARK_LLM_MODEL_CACHE": str(tmp_path)}
     engine = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom spark_llm.engine_host.server import tokenizer_class_decided\n"
-         "with tokenizer_class_decided({'model': sys.argv[1], 'tokenizer': None}):\n"
+         "from spark_llm.engine_host.spec import EngineSettings, EngineSpec\n"
+         "with tokenizer_class_decided(EngineSpec(EngineSettings(model=sys.argv[1]))):\n"
          "    print('importing', flush=True)\n    time.sleep(2)\n", tiny_model], env=env, stdout=subprocess.PIPE,
         text=True)
     assert engine.stdout.readline().strip() == "importing"
@@ -251,7 +252,8 @@ def test_the_engine_process_decides_the_tokenizer_class_without_importing_spark(
 
     probe = ("import sys\nfrom spark_llm.engine_host.server import tokenizer_class_decided\n"
              "from spark_llm.endpoints import engine_side\n"
-             "with tokenizer_class_decided({'model': sys.argv[1], 'tokenizer': None}):\n    pass\n"
+             "from spark_llm.engine_host.spec import EngineSettings, EngineSpec\n"
+             "with tokenizer_class_decided(EngineSpec(EngineSettings(model=sys.argv[1]))):\n    pass\n"
              "print(sorted(m for m in ('pyspark', 'pandas', 'py4j') if m in sys.modules))\n")
     env = {**__import__("os").environ, "SPARK_LLM_MODEL_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", probe, tiny_model], env=env, check=True, capture_output=True,

@@ -4,10 +4,10 @@ engine's constrained decoding."""
 
 from __future__ import annotations
 
-from spark_llm.endpoints.common import tool_calls_from_output
+from spark_llm.endpoints.common import ResponseOptions, tool_calls_from_output
 
-REQUIRED = {"tool_choice": "required"}
-NAMED = {"tool_choice": "named", "tool_name": "get_weather"}
+REQUIRED = ResponseOptions(tool_choice="required")
+NAMED = ResponseOptions(tool_choice="named", tool_name="get_weather")
 
 
 def test_a_cut_array_gives_its_complete_calls_and_the_cut_one_as_generated():

@@ -47,12 +47,12 @@ def check(body: dict, ctx: Any) -> Checked:
     k = _logprobs(body)
     if k is not None:
         sp["logprobs"] = k
-        options["logprobs"] = k
+        options.logprobs = k
     if tool_format or answer_format:
         sp["structured_outputs"] = tool_format or answer_format
     prompt = common.template_inputs(messages, tools, choice, body.get("reasoning_effort"), "body.reasoning_effort")
     if images:
-        options["images"] = images
+        options.images = images
     return Checked(prompt, sp, options)
 
 
@@ -68,7 +68,7 @@ def prompt_texts(tokenizer: Any, prompt: dict) -> list[str]:
 def respond(outputs: list, reply: Reply) -> Answer:
     """A complete ``ChatCompletion`` for the engine's output (one prompt, ``n`` choices)."""
     out = outputs[0]
-    k = reply.options.get("logprobs")
+    k = reply.options.logprobs
     choices, reasoning_tokens, any_reasoning = [], 0, False
     for c in out.outputs:
         content, calls = common.answer_parts(c, reply.options, reply, c.index)

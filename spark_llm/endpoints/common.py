@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Optional
 
 from ..errors import ErrorCode, RequestError, truncate
@@ -28,13 +28,46 @@ SAMPLING_FIELDS = frozenset({"temperature", "top_p", "seed", "presence_penalty",
 _BIG = 2**31 - 1
 
 
+@dataclass
+class ResponseOptions:
+    """What a request's answer needs from it beside the engine's outputs: set by its endpoint's ``check``, carried
+    in the request's row as ``options_json`` (the fields that have a value), read by the inference task and the
+    endpoint's ``respond``."""
+
+    adapter: Optional[str] = None          #: the LoRA adapter the request's model names
+    images: Optional[list[str]] = None     #: the image parts' URLs, in order (read by the inference task)
+    audio: Optional[str] = None            #: the clip's URL (transcriptions, translations)
+    sample_rate: Optional[int] = None      #: the Whisper model's rate the clip is decoded at
+    tool_choice: Optional[str] = None      #: auto / named / required (a forced call is read from the answer)
+    tools: Optional[list[dict]] = None     #: auto: the tools the engine's tool-call parser looks for
+    tool_name: Optional[str] = None        #: named: the function called
+    logprobs: Optional[int] = None         #: the alternatives per token the answer lists
+    echo_prompt: bool = False              #: completions: the prompt before the answer's text
+    echo: Optional[dict[str, Any]] = None  #: responses: the request's fields its answer repeats
+    encoding_format: Optional[str] = None  #: embeddings: float or base64
+    top_n: Optional[int] = None            #: rerank: the results kept
+    documents: Optional[list[str]] = None  #: rerank: the texts its answer returns
+
+    def to_json(self) -> str:
+        given = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+        return json.dumps(given, ensure_ascii=False, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> "ResponseOptions":
+        """The options of a request row (an older run's row may hold keys no longer read: they are left out)."""
+        if not text:
+            return cls()
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+
+
 @dataclass(frozen=True)
 class Checked:
     """A request an endpoint accepted: what to tokenize, how to sample, and how to shape the answer."""
 
     prompt: Any                 #: JSON value the endpoint's ``render`` turns into token ids
     sampling: dict[str, Any]    #: SamplingParams keyword arguments (JSON-able)
-    options: dict[str, Any] = field(default_factory=dict)  #: what the response body needs (JSON-able)
+    options: ResponseOptions = field(default_factory=ResponseOptions)
 
 
 # ---- values -------------------------------------------------------------------------------------------------
@@ -427,39 +460,40 @@ def tool_choice(choice: Any, tools: Optional[list[dict]], named: Callable[[dict]
 
 
 def tool_choice_options(choice: Any, named: Optional[str], tools: list[dict], parallel: Optional[bool],
-                        ctx: Any) -> tuple[dict[str, Any], Optional[dict]]:
+                        ctx: Any) -> tuple[ResponseOptions, Optional[dict]]:
     """``(options, structured outputs)`` for a tool choice already reduced to ``none`` / ``auto`` / ``required`` /
     ``named`` (+ the function's name). ``required`` and a named function constrain the output to the tools' JSON
     schemas, as vLLM's server does; ``auto`` needs the configured tool-call parser."""
     if not tools or choice == "none":
-        return {}, None
+        return ResponseOptions(), None
     if choice == "auto":
         if not ctx.tool_call_parser:
             raise unsupported("tool_choice auto (the default when tools are given) needs a tool-call parser: set the "
                               "job's tool_call_parser (e.g. hermes, llama3_json, mistral) to the one of your model, "
                               "or give tool_choice required or a named function")
-        return {"tool_choice": "auto", "tools": tools}, None
+        return ResponseOptions(tool_choice="auto", tools=tools), None
     if choice == "named":
         by_name = {t["name"]: t for t in tools}
         if named not in by_name:
             raise invalid(f"tool_choice names function {truncate(str(named), 70)!r}, which is not in tools "
                           f"({', '.join(by_name)})")
-        return {"tool_choice": "named", "tool_name": named}, {"json": by_name[named]["parameters"]}
+        return ResponseOptions(tool_choice="named", tool_name=named), {"json": by_name[named]["parameters"]}
     items = {"type": "object", "anyOf": [
         {"properties": {"name": {"type": "string", "enum": [t["name"]]}, "parameters": t["parameters"]},
          "required": ["name", "parameters"]} for t in tools]}
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
     if parallel is False:
         schema["maxItems"] = 1
-    return {"tool_choice": "required"}, {"json": schema}
+    return ResponseOptions(tool_choice="required"), {"json": schema}
 
 
-def tool_calls_from_output(content: Optional[str], options: dict, cut: bool = False) -> Optional[list[dict]]:
+def tool_calls_from_output(content: Optional[str], options: ResponseOptions, cut: bool = False
+                           ) -> Optional[list[dict]]:
     """``[{"name", "arguments", "complete"}]`` read from a constrained answer (``required``: a JSON array of
     ``{name, parameters}``; ``named``: the arguments object); None when the choice was not constrained, or its answer
     is not the JSON it was held to. An answer ``cut`` by max_tokens is still a tool call, as OpenAI answers it: the
     complete calls parsed, the cut one with its arguments as generated (``complete`` False)."""
-    mode = options.get("tool_choice")
+    mode = options.tool_choice
     if mode not in ("named", "required") or content is None:
         return None
     try:
@@ -468,10 +502,10 @@ def tool_calls_from_output(content: Optional[str], options: dict, cut: bool = Fa
         if not cut:
             return None
         if mode == "named":
-            return [{"name": options["tool_name"], "arguments": content, "complete": False}]
+            return [{"name": options.tool_name, "arguments": content, "complete": False}]
         return _cut_calls(content)
     if mode == "named":  # the answer is the arguments, exactly as generated
-        return [{"name": options["tool_name"], "arguments": content, "complete": True}]
+        return [{"name": options.tool_name, "arguments": content, "complete": True}]
     if not isinstance(value, list):
         return None
     return [{"name": c.get("name"), "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False),
@@ -551,8 +585,9 @@ class Reply:
     request_id: str     #: batch_req-derived id; the body's id uses its suffix
     model: str
     created: int
-    options: dict[str, Any]
+    options: ResponseOptions
     classes: Classes = Classes()  #: the model's classes, for the classifying endpoints
+    audio_seconds: Optional[float] = None  #: the clip's length as the inference task read it (transcriptions)
 
 
 @dataclass
@@ -595,7 +630,7 @@ def token_positions(choice: Any, k: int) -> Any:
         yield token, (float(chosen.logprob) if chosen is not None else None), tops
 
 
-def answer_parts(choice: Any, options: dict, reply: Reply, index: int) -> tuple[Optional[str], list[dict]]:
+def answer_parts(choice: Any, options: ResponseOptions, reply: Reply, index: int) -> tuple[Optional[str], list[dict]]:
     """The answer text and the tool calls (``[{"id", "name", "arguments"}]``) of one choice: calls found by the
     engine's tool-call parser (``auto``) or read from a constrained answer (``required`` / named)."""
     content = choice.content if choice.parsed else choice.text

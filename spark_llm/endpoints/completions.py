@@ -27,14 +27,14 @@ def check(body: dict, ctx: Any) -> Checked:
     stops = common.stop_sequences(body, ctx)
     if stops:
         sp["stop"] = stops
-    options: dict[str, Any] = {}
+    options = common.ResponseOptions()
     if body.get("logprobs") is not None:
-        sp["logprobs"] = options["logprobs"] = number(body, "logprobs", 0, 5, integer=True)
+        sp["logprobs"] = options.logprobs = number(body, "logprobs", 0, 5, integer=True)
     if common.boolean(body, "echo"):
-        if "logprobs" in options:  # OpenAI's answer would hold the prompt tokens' logprobs too
+        if options.logprobs is not None:  # OpenAI's answer would hold the prompt tokens' logprobs too
             raise common.unsupported("echo with logprobs is not supported (the prompt's tokens have no logprobs "
                                      "here); drop one of them")
-        options["echo_prompt"] = True  # (Responses' options["echo"] is the request's fields its answer repeats)
+        options.echo_prompt = True
     answer_format = common.response_format(body.get("response_format"), "body.response_format", ctx)
     if answer_format:  # a vLLM extension of the completions API
         sp["structured_outputs"] = answer_format
@@ -50,14 +50,14 @@ def prompt_texts(tokenizer: Any, prompts: list) -> list:
 
 
 def respond(outputs: list, reply: Reply) -> Answer:
-    k = reply.options.get("logprobs")
+    k = reply.options.logprobs
     choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     for p, out in enumerate(outputs):
         prompt_tokens += len(out.prompt_token_ids)
         cached += out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            text = (out.prompt_text or "") + c.text if reply.options.get("echo_prompt") else c.text
+            text = (out.prompt_text or "") + c.text if reply.options.echo_prompt else c.text
             choices.append({"index": p * len(out.outputs) + c.index, "text": text,
                             "logprobs": _completion_logprobs(c, k),
                             "finish_reason": common.finish_reason(c.finish_reason)})

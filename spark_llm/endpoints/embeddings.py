@@ -31,11 +31,11 @@ def check(body: dict, ctx: Any) -> Checked:
     pooling: dict[str, Any] = {"max_tokens": 0}  # nothing is generated: the cost of a request is its input tokens
     if body.get("dimensions") is not None:
         pooling["dimensions"] = number(body, "dimensions", 1, 1 << 16, integer=True)
-    return Checked(inputs, pooling, {"encoding_format": fmt})
+    return Checked(inputs, pooling, common.ResponseOptions(encoding_format=fmt))
 
 
 def respond(outputs: list, reply: Reply) -> Answer:
-    b64 = reply.options.get("encoding_format") == "base64"
+    b64 = reply.options.encoding_format == "base64"
     data = [{"object": "embedding", "index": i,
              "embedding": _base64(out.embedding) if b64 else out.embedding} for i, out in enumerate(outputs)]
     tokens = sum(len(out.prompt_token_ids) for out in outputs)

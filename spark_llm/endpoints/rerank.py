@@ -31,18 +31,18 @@ def check(body: dict, ctx: Any) -> Checked:
     documents = score.texts(body["documents"], "body.documents")
     if len(documents) > MAX_DOCUMENTS:
         raise invalid(f"body.documents holds {len(documents)} items; at most {MAX_DOCUMENTS} are allowed per request")
-    options: dict[str, Any] = {}
+    options = common.ResponseOptions()
     if body.get("top_n") is not None:
-        options["top_n"] = common.number(body, "top_n", 0, MAX_DOCUMENTS, integer=True)
+        options.top_n = common.number(body, "top_n", 0, MAX_DOCUMENTS, integer=True)
     if common.boolean(body, "return_documents") is not False:  # the texts go back in the answer (the default)
-        options["documents"] = documents
+        options.documents = documents
     return Checked([[query, d] for d in documents], common.classifier_settings(body), options)
 
 
 def respond(outputs: list, reply: Reply) -> Answer:
     scores = [out.probs[0] for out in outputs]
-    documents = reply.options.get("documents")
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:reply.options.get("top_n") or None]
+    documents = reply.options.documents
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:reply.options.top_n or None]
     results = [{"index": i, **({"document": {"text": documents[i]}} if documents else {}),
                 "relevance_score": scores[i]} for i in order]
     tokens = sum(len(out.prompt_token_ids) for out in outputs)

@@ -69,7 +69,7 @@ def check(body: dict, ctx: Any) -> Checked:
         raise invalid(f"body.reasoning must be an object, got {json_type(reasoning)}")
     prompt = common.template_inputs(messages, tools, choice, (reasoning or {}).get("effort"),
                                     "body.reasoning.effort")
-    options["echo"] = {
+    options.echo = {
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
         "temperature": sp["temperature"], "top_p": sp["top_p"], "parallel_tool_calls": parallel is not False,
         "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
@@ -79,7 +79,7 @@ def check(body: dict, ctx: Any) -> Checked:
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
     }
     if images:
-        options["images"] = images
+        options.images = images
     return Checked(prompt, sp, options)
 
 
@@ -109,7 +109,7 @@ def respond(outputs: list, reply: Reply) -> Answer:
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "output": items, "previous_response_id": None, "reasoning": None, "store": False,
         "truncation": "disabled", "user": None,
-        **reply.options["echo"],
+        **(reply.options.echo or {}),
         "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens,
                                                                            "cache_write_tokens": 0},
                   "output_tokens": output_tokens,

@@ -49,7 +49,7 @@ def checked(body: dict, ctx: Any, url: str, fields: frozenset, task: str) -> Che
         raise RequestError(ErrorCode.UNSUPPORTED_ENDPOINT,
                            f"{ctx.served_model_name!r} has no audio feature extractor (preprocessor_config.json) to "
                            f"hear audio with; send {url} lines to a Whisper model")
-    options: dict[str, Any] = {"audio": _audio(body, ctx), "sample_rate": ctx.hearing.sample_rate}
+    options = common.ResponseOptions(audio=_audio(body, ctx), sample_rate=ctx.hearing.sample_rate)
     language = body.get("language")
     if language is not None and (not isinstance(language, str) or language.lower() not in LANGUAGES):
         raise invalid(f"body.language must be an ISO-639-1 code Whisper knows (en, zh, de, ...), got "
@@ -119,7 +119,7 @@ def respond(outputs: list, reply: Reply) -> Answer:
     [out] = outputs
     choice = out.outputs[0]
     text = choice.text.strip()
-    seconds = reply.options.get("seconds")
+    seconds = reply.audio_seconds
     usage = {"type": "duration", "seconds": math.ceil(seconds)} if seconds is not None else None
     body = {"text": text, **({"usage": usage} if usage else {})}
     return Answer(body, text, common.finish_reason(choice.finish_reason), len(out.prompt_token_ids),

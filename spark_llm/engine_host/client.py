@@ -38,7 +38,6 @@ twice on one GPU. So the engine lives beside the workers:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -505,7 +504,7 @@ def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
         with contextlib.suppress(FileNotFoundError):
             os.unlink(slot.socket())
     spec_file = first.path(SlotFile.SPEC)
-    spec_file.write_text(json.dumps(spec.settings, default=str))
+    spec_file.write_text(spec.settings_json())
     environ = dict(executor.environ if executor is not None else os.environ)
     if caches := cache_env(environ, home_writable(environ), str(engine_dir() / "cache")):
         log.info("HOME (%s) is not writable: the engine's caches go under %s", environ.get("HOME"),

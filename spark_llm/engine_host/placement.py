@@ -101,25 +101,7 @@ def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int, *,
     ``spark.dynamicAllocation.maxExecutors``)."""
     task, executor = (_amount(spark_conf, f"spark.{k}.resource.gpu.amount") for k in ("task", "executor"))
     if gpus_per_executor:
-        if not dynamic_allocation(spark_conf):
-            raise ConfigError(
-                "gpus_per_executor asks for GPU executors as dynamic allocation adds them, but dynamic allocation is "
-                "off (spark.dynamicAllocation.enabled is not true, or a local master): executors then have their "
-                "GPUs from the start; set spark.executor.resource.gpu.amount instead")
-        if executor or task:
-            raise ConfigError(
-                "gpus_per_executor gives the inference stage's executors their GPUs, but "
-                f"spark.{'executor' if executor else 'task'}.resource.gpu.amount is set too, which gives every "
-                "executor (or every stage) GPUs: the executors that read and validate would hold GPUs that no "
-                "engine uses. Unset it")
-        if gpus_per_executor < tensor_parallel_size:
-            raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but gpus_per_executor is "
-                              f"{gpus_per_executor}: one engine's GPUs must be on one executor")
-        if not engines and not _max_executors(spark_conf):
-            raise ConfigError(
-                "with dynamic allocation, set spark.dynamicAllocation.maxExecutors to the most GPU executors the "
-                "batch may hold (the plan spreads its partitions over their engines, and Spark adds executors as "
-                "they are needed), or num_task_slots to the engines")
+        _check_added_gpus(spark_conf, tensor_parallel_size, gpus_per_executor, engines, task, executor)
         spark_conf = with_added_gpus(spark_conf, AddedExecutors(gpus_per_executor))
         task, executor = 0.0, float(gpus_per_executor)
     elif executor and not task and dynamic_allocation(spark_conf):
@@ -131,6 +113,36 @@ def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int, *,
             "spark.executor.resource.gpu.amount; or keep it and set spark.task.resource.gpu.amount="
             f"{tensor_parallel_size if tensor_parallel_size > 1 else '1/N (0.5 for two tasks per engine)'} so that "
             "every stage asks for GPUs; or set spark.dynamicAllocation.enabled=false")
+    _check_gpu_amounts(spark_conf, tensor_parallel_size, task, executor)
+    _check_executor_room(spark_conf, tensor_parallel_size, task, executor)
+
+
+def _check_added_gpus(spark_conf: dict[str, str], tensor_parallel_size: int, gpus_per_executor: int,
+                      engines: Optional[int], task: float, executor: float) -> None:
+    """``gpus_per_executor``: GPU executors added by dynamic allocation for the inference stage alone."""
+    if not dynamic_allocation(spark_conf):
+        raise ConfigError(
+            "gpus_per_executor asks for GPU executors as dynamic allocation adds them, but dynamic allocation is "
+            "off (spark.dynamicAllocation.enabled is not true, or a local master): executors then have their "
+            "GPUs from the start; set spark.executor.resource.gpu.amount instead")
+    if executor or task:
+        raise ConfigError(
+            "gpus_per_executor gives the inference stage's executors their GPUs, but "
+            f"spark.{'executor' if executor else 'task'}.resource.gpu.amount is set too, which gives every "
+            "executor (or every stage) GPUs: the executors that read and validate would hold GPUs that no "
+            "engine uses. Unset it")
+    if gpus_per_executor < tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size is {tensor_parallel_size} but gpus_per_executor is "
+                          f"{gpus_per_executor}: one engine's GPUs must be on one executor")
+    if not engines and not _max_executors(spark_conf):
+        raise ConfigError(
+            "with dynamic allocation, set spark.dynamicAllocation.maxExecutors to the most GPU executors the "
+            "batch may hold (the plan spreads its partitions over their engines, and Spark adds executors as "
+            "they are needed), or num_task_slots to the engines")
+
+
+def _check_gpu_amounts(spark_conf: dict[str, str], tensor_parallel_size: int, task: float, executor: float) -> None:
+    """A task's GPUs are one engine's (or a share of one GPU), an executor's hold whole engines."""
     if task and task != tensor_parallel_size and not (tensor_parallel_size == 1 and _shares(task)):
         raise ConfigError(
             f"spark.task.resource.gpu.amount is {spark_conf['spark.task.resource.gpu.amount']} but "
@@ -148,6 +160,10 @@ def check_gpu_settings(spark_conf: dict[str, str], tensor_parallel_size: int, *,
     if executor and executor % tensor_parallel_size:
         log.warning("executors have %g GPUs, not a multiple of tensor_parallel_size %d: %g of them stay idle",
                     executor, tensor_parallel_size, executor % tensor_parallel_size)
+
+
+def _check_executor_room(spark_conf: dict[str, str], tensor_parallel_size: int, task: float, executor: float) -> None:
+    """An executor runs a task for each of its engines at once, and its Python workers may hold GPU memory."""
     cores, cpus = executor_cores(spark_conf), int(_amount(spark_conf, "spark.task.cpus") or 1)
     per_executor = int(executor // tensor_parallel_size) if executor else 0
     if per_executor and cores is not None and cores // cpus < per_executor:

@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import gc
 import importlib
-import json
 import logging
 import os
 import queue
@@ -141,7 +140,11 @@ class _InFlight:
 
 
 class EngineServer:
-    """The engine of one slot and the streams that feed it (see the module docs)."""
+    """The engine of one slot and the streams that feed it (see the module docs).
+
+    Long, and one class: its three kinds of thread (a connection's, the engine loop, the watch) share the engine
+    loop's state (the inbox, the queued streams, the requests in flight, the heartbeat's progress), each in a
+    section of its own below; apart, each part would reach into the others' fields."""
 
     def __init__(self, slot: Slot, key: str, watch_pid: int, idle_timeout: float):
         self.slot, self.key, self.watch_pid, self.idle_timeout = slot, key, watch_pid, idle_timeout
@@ -738,7 +741,7 @@ def fork_per_slot(slots: Sequence[Slot]) -> tuple[Slot, int]:
     os._exit(0)
 
 
-def tokenizer_class_decided(settings: dict) -> Any:
+def tokenizer_class_decided(spec: EngineSpec) -> Any:
     """A block (the engine's imports) after which this process decides the class of the engine's tokenizer for the
     processes counting tokens on this host, which wait for it meanwhile
     (:func:`~spark_llm.tokenizers.deciding_tokenizer_class`): this process imports transformers' configuration classes,
@@ -746,7 +749,7 @@ def tokenizer_class_decided(settings: dict) -> Any:
     copies differ between the engine and the counting)."""
     from ..tokenizers import deciding_tokenizer_class
 
-    path = EngineSpec(settings).tokenizer
+    path = spec.tokenizer
     return deciding_tokenizer_class(path) if isinstance(path, str) and os.path.isdir(path) else contextlib.nullcontext()
 
 
@@ -815,10 +818,10 @@ def build_into(server: EngineServer, spec: EngineSpec, args: argparse.Namespace)
     def copying(seconds: Optional[float]) -> None:  # for the start's time limit, which leaves the copy out
         write_private(slot.path(SlotFile.COPY), {"pid": os.getpid(), "began_at": began, "seconds": seconds})
     try:
-        if spec.settings.get("engine_standin"):
+        if spec.standin:
             from . import standin as stand_in
 
-            server.engine, server.inputs, server.parsers = stand_in.build_standin(spec.settings), \
+            server.engine, server.inputs, server.parsers = stand_in.build_standin(spec), \
                 stand_in.engine_inputs, stand_in.Parsers()
         else:
             from ..endpoints.engine_side import Parsers
@@ -826,12 +829,12 @@ def build_into(server: EngineServer, spec: EngineSpec, args: argparse.Namespace)
             server.engine = build_engine(spec, copying)
             from ..models import local_adapters
 
-            server.adapters = lora_requests(local_adapters(spec.settings.get("lora_modules") or {}))  # URIs copied
-            server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.get("tool_call_parser"),
-                                     spec.settings.get("reasoning_parser"))
+            server.adapters = lora_requests(local_adapters(spec.settings.lora_modules or {}))  # URIs copied
+            server.parsers = Parsers(server.engine.get_tokenizer(), spec.settings.tool_call_parser,
+                                     spec.settings.reasoning_parser)
         server.backlog = BACKLOG_PER_SEQ * server.engine.llm_engine.vllm_config.scheduler_config.max_num_seqs
         server.count_progress()
-        server.runner = "pooling" if spec.settings.get("runner") == "pooling" else "generate"
+        server.runner = "pooling" if spec.settings.runner == "pooling" else "generate"
     except EngineStartError as exc:
         log.error("engine for slot %s could not start: %s", slot.name, exc)
         could_not_start(slot, args, str(exc))
@@ -873,12 +876,12 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d]: %(message)s")
     egress.watch(lambda found: event(event="egress", pid=os.getpid(), **found._asdict()))  # before vLLM's import
     launcher, t0 = None, time.monotonic()
-    settings = json.loads(Path(args.spec_file).read_text())
-    standin = bool(settings.get("engine_standin"))  # no vLLM, torch or tokenizer to import (standin.py)
+    spec = EngineSpec.from_json(Path(args.spec_file).read_text())
+    standin = bool(spec.standin)  # no vLLM, torch or tokenizer to import (standin.py)
     if len(args.slot) > 1:
         if not standin:
             log.info("importing vLLM for the engines of slots %s", ", ".join(args.slot))
-            with tokenizer_class_decided(settings):  # its modules, imported here, serve the engines' tokenizers too
+            with tokenizer_class_decided(spec):  # its modules, imported here, serve the engines' tokenizers too
                 import_engine(ENGINE_MODULES)
         slot, launcher = fork_per_slot([Slot(name) for name in args.slot])
     else:
@@ -890,9 +893,9 @@ def serve(argv: Optional[Sequence[str]] = None) -> int:
     if launcher is None:
         t0 = time.monotonic()
         if not standin:
-            with tokenizer_class_decided(settings):
+            with tokenizer_class_decided(spec):
                 import_engine()
-    build_into(server, seeded_for(EngineSpec(settings=settings), slot.name), args)
+    build_into(server, seeded_for(spec, slot.name), args)
     load_s = time.monotonic() - t0
     threading.Thread(target=server.run, name="engine", daemon=True).start()
     listen(server, args, launcher, load_s)

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping, Optional
 
+from pydantic import BaseModel, ConfigDict, create_model
+
 from ..config import BatchConfig
 from ..errors import EngineStartError
 from .protocol import PROTOCOL
@@ -102,42 +104,62 @@ def apply_worker_env(environ: Optional[MutableMapping[str, str]] = None) -> None
         env.setdefault(key, value)
 
 
+#: An engine's settings: the fields of :class:`~spark_llm.config.BatchConfig` marked ``engine``, as they are
+#: there (their types, defaults and descriptions follow from it), most of them ``vllm.LLM`` keyword arguments of the
+#: same names. Sent to the engine process as JSON (:meth:`EngineSpec.settings_json`).
+EngineSettings: type[BaseModel] = create_model(
+    "EngineSettings", __config__=ConfigDict(frozen=True, extra="forbid", protected_namespaces=()),
+    __module__=__name__, **{name: (BatchConfig.model_fields[name].annotation, BatchConfig.model_fields[name])
+                            for name in BatchConfig.fields_of("engine")})
+
+
 @dataclass(frozen=True)
 class EngineSpec:
-    """Picklable recipe for a vLLM engine: the config's engine settings (the fields marked ``engine`` in
-    :class:`~spark_llm.config.BatchConfig`), which are ``vllm.LLM`` keyword arguments of the same names."""
+    """Picklable recipe for a vLLM engine: its settings (:data:`EngineSettings`)."""
 
-    settings: dict[str, Any]
+    settings: Any  #: an EngineSettings
 
     @classmethod
     def from_config(cls, cfg: BatchConfig) -> "EngineSpec":
-        return cls(settings={name: getattr(cfg, name) for name in BatchConfig.fields_of("engine")})
+        return cls(EngineSettings(**{name: getattr(cfg, name) for name in EngineSettings.model_fields}))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineSpec":
+        return cls(EngineSettings.model_validate_json(text))
+
+    def settings_json(self) -> str:
+        return self.settings.model_dump_json()
 
     @property
     def key(self) -> str:
         """Id of the settings (and of the engine service's protocol): tasks reuse a running engine while it
         matches."""
-        blob = json.dumps({**self.settings, "protocol": PROTOCOL}, sort_keys=True, default=str)
+        blob = json.dumps({**self.settings.model_dump(mode="json"), "protocol": PROTOCOL}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @property
     def model(self) -> str:
-        return self.settings["model"]
+        return self.settings.model
 
     @property
     def tokenizer(self) -> str:
         """The tokenizer's directory: the model's unless set."""
-        return self.settings.get("tokenizer") or self.model
+        return self.settings.tokenizer or self.model
 
     @property
     def tensor_parallel_size(self) -> int:
-        return self.settings["tensor_parallel_size"]
+        return self.settings.tensor_parallel_size
+
+    @property
+    def standin(self) -> Optional[str]:
+        """The engine stand-in's rates (``engine_standin``), or None for vLLM."""
+        return self.settings.engine_standin or None
 
     def llm_kwargs(self) -> dict[str, Any]:
         """``vllm.LLM`` arguments: the settings that are set, with vLLM's own defaults for the rest;
         ``engine_kwargs`` win."""
         kw: dict[str, Any] = {}
-        for name, value in self.settings.items():
+        for name, value in self.settings.model_dump().items():
             target = BatchConfig.vllm_argument(name)
             if value is None or target is None or name == "engine_kwargs":
                 continue
@@ -147,14 +169,14 @@ class EngineSpec:
             else:
                 kw[outer] = value
         kw["tokenizer"] = self.tokenizer
-        if self.settings.get("lora_modules"):
+        if self.settings.lora_modules:
             kw["enable_lora"] = True
         else:  # vLLM's LoRA limits mean nothing without adapters
             kw.pop("max_loras", None)
             kw.pop("max_lora_rank", None)
         kw["distributed_executor_backend"] = kw.get("distributed_executor_backend") or (
             "uni" if self.tensor_parallel_size == 1 else "mp")
-        kw.update(self.settings.get("engine_kwargs") or {})
+        kw.update(self.settings.engine_kwargs or {})
         return kw
 
 
@@ -168,10 +190,10 @@ def engine_seed(seed: int, slot: str, host: str, pid: int) -> int:
 
 def seeded_for(spec: EngineSpec, slot: str) -> EngineSpec:
     """``spec`` with its engine's own seed (:func:`engine_seed`) when requests draw from their engine's stream."""
-    if spec.settings.get("sampling_seeds") != "engine":
+    if spec.settings.sampling_seeds != "engine":
         return spec
-    own = engine_seed(spec.settings.get("seed") or 0, slot, socket.gethostname(), os.getpid())
-    return EngineSpec(settings={**spec.settings, "seed": own})
+    own = engine_seed(spec.settings.seed, slot, socket.gethostname(), os.getpid())
+    return EngineSpec(spec.settings.model_copy(update={"seed": own}))
 
 
 def build_engine(spec: EngineSpec, copying: Optional[Callable[[Optional[float]], None]] = None) -> Any:

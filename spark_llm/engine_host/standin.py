@@ -275,13 +275,14 @@ def _model_config(model_dir: Optional[str]) -> dict:
         return {}
 
 
-def build_standin(settings: dict) -> StandInLLM:
-    """The stand-in engine of an engine's settings (its ``engine_standin`` names the rates)."""
+def build_standin(spec: Any) -> StandInLLM:
+    """The stand-in engine of an :class:`~spark_llm.engine_host.spec.EngineSpec` (its ``engine_standin`` names the
+    rates)."""
     try:
-        rates = parse_rates(settings["engine_standin"])
+        rates = parse_rates(spec.standin)
     except ValueError as exc:
         raise EngineStartError(str(exc)) from None
-    model = settings.get("model")
+    model = spec.model
     return StandInLLM(rates, model if isinstance(model, str) and os.path.isdir(model) else None)
 
 

@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional
 
 from ..filesystems import S3_PREFIXES, S3Access, bucket_and_key, python_filesystem
 from ..media import AUDIO, IMAGE
@@ -383,73 +383,9 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
     kind, options = parse_options_header(content_type)
     if kind != b"multipart/form-data" or b"boundary" not in options:
         raise APIError.invalid("Expected a multipart/form-data body with the file and its purpose.")
-    upload = Upload(fields={})
-    failure: list[APIError] = []
-    state: dict[str, Any] = {"headers": [], "name": None, "field": b"", "value": b"", "ended": False}
-
     with contextlib.ExitStack() as stack:
-        out: list[Any] = []
-
-        def on_header_field(data: bytes, start: int, end: int) -> None:
-            state["field"] += data[start:end]
-
-        def on_header_value(data: bytes, start: int, end: int) -> None:
-            state["value"] += data[start:end]
-
-        def on_header_end() -> None:
-            state["headers"].append((state["field"].lower(), state["value"]))
-            state["field"], state["value"] = b"", b""
-
-        def on_headers_finished() -> None:
-            disposition = dict(state["headers"]).get(b"content-disposition", b"")
-            _, params = parse_options_header(disposition)
-            name = params.get(b"name", b"").decode("utf-8", "replace")
-            state["name"], state["headers"] = name, []
-            if failure:
-                return
-            if name == field:
-                if upload.filename is not None:  # a second file part: which one would the record describe?
-                    failure.append(APIError.invalid(f"The body holds more than one '{field}' part; send one.",
-                                                    param=field))
-                    return
-                upload.filename = params.get(b"filename", b"").decode("utf-8", "replace")
-                state["check"] = check(upload.fields) if callable(check) else check
-                out.append(stack.enter_context(storage.writing(location)))
-            elif len(upload.fields) >= MAX_FIELDS:
-                failure.append(APIError.invalid(f"The body holds more than {MAX_FIELDS} form fields."))
-            else:
-                upload.fields[name] = ""
-
-        def on_part_data(data: bytes, start: int, end: int) -> None:
-            if failure:
-                return
-            chunk = data[start:end]
-            try:
-                if state["name"] == field:
-                    state["check"].feed(chunk)
-                    out[-1].write(chunk)
-                else:
-                    value = upload.fields[state["name"]] + chunk.decode("utf-8", "replace")
-                    if len(value) > 65536:
-                        raise APIError.invalid(f"The form field {state['name']!r} is too long.")
-                    upload.fields[state["name"]] = value
-            except APIError as exc:
-                failure.append(exc)
-
-        def on_part_end() -> None:
-            if state["name"] == field and not failure:
-                try:
-                    state["check"].close()
-                except APIError as exc:
-                    failure.append(exc)
-
-        def on_end() -> None:
-            state["ended"] = True
-
-        parser = MultipartParser(options[b"boundary"], {
-            "on_header_field": on_header_field, "on_header_value": on_header_value, "on_header_end": on_header_end,
-            "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end,
-            "on_end": on_end})
+        form = _FormReader(field, check, lambda: stack.enter_context(storage.writing(location)))
+        parser = MultipartParser(options[b"boundary"], form.callbacks())
         broken = None
         async for data in body:  # read to the end even when the body is refused: the client then reads the answer
             if broken is None:
@@ -462,18 +398,105 @@ async def receive_upload(body: AsyncIterator[bytes], content_type: str, storage:
                 parser.finalize()
             except MultipartParseError as exc:
                 broken = exc
-        if broken is None and not state["ended"]:
+        form.verdict(broken)  # raises, and the writer removes what it wrote
+    form.upload.bytes = form.file_check.bytes
+    return form.upload
+
+
+class _FormReader:
+    """The callbacks of python-multipart's parser for one upload: the headers of the part being read, the form
+    fields so far, the file part checked and written as it comes, and the first problem found (after which the
+    rest of the body is read and dropped)."""
+
+    def __init__(self, field: str, check: Any, open_file: Callable[[], Any]):
+        self.field, self.check, self.open_file = field, check, open_file
+        self.upload = Upload(fields={})
+        self.failure: Optional[APIError] = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.header_field = self.header_value = b""
+        self.part: Optional[str] = None   #: the name of the part being read
+        self.file_check: Any = None       #: the file part's check, chosen when it starts
+        self.file: Any = None             #: where the file part is written
+        self.ended = False                #: the closing boundary was read
+
+    def callbacks(self) -> dict[str, Callable]:
+        return {"on_header_field": self.on_header_field, "on_header_value": self.on_header_value,
+                "on_header_end": self.on_header_end, "on_headers_finished": self.on_headers_finished,
+                "on_part_data": self.on_part_data, "on_part_end": self.on_part_end, "on_end": self.on_end}
+
+    def fail(self, exc: APIError) -> None:
+        self.failure = self.failure or exc
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self.header_field += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self.header_value += data[start:end]
+
+    def on_header_end(self) -> None:
+        self.headers.append((self.header_field.lower(), self.header_value))
+        self.header_field = self.header_value = b""
+
+    def on_headers_finished(self) -> None:
+        from python_multipart.multipart import parse_options_header
+
+        _, params = parse_options_header(dict(self.headers).get(b"content-disposition", b""))
+        self.part, self.headers = params.get(b"name", b"").decode("utf-8", "replace"), []
+        if self.failure:
+            return
+        fields = self.upload.fields
+        if self.part == self.field:
+            if self.upload.filename is not None:  # a second file part: which one would the record describe?
+                self.fail(APIError.invalid(f"The body holds more than one '{self.field}' part; send one.",
+                                           param=self.field))
+                return
+            self.upload.filename = params.get(b"filename", b"").decode("utf-8", "replace")
+            self.file_check = self.check(fields) if callable(self.check) else self.check
+            self.file = self.open_file()
+        elif len(fields) >= MAX_FIELDS:
+            self.fail(APIError.invalid(f"The body holds more than {MAX_FIELDS} form fields."))
+        else:
+            fields[self.part] = ""
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        if self.failure:
+            return
+        chunk = data[start:end]
+        try:
+            if self.part == self.field:
+                self.file_check.feed(chunk)
+                self.file.write(chunk)
+            else:
+                value = self.upload.fields[self.part] + chunk.decode("utf-8", "replace")
+                if len(value) > 65536:
+                    raise APIError.invalid(f"The form field {self.part!r} is too long.")
+                self.upload.fields[self.part] = value
+        except APIError as exc:
+            self.fail(exc)
+
+    def on_part_end(self) -> None:
+        if self.part == self.field and not self.failure:
+            try:
+                self.file_check.close()
+            except APIError as exc:
+                self.fail(exc)
+
+    def on_end(self) -> None:
+        self.ended = True
+
+    def verdict(self, broken: Optional[Exception]) -> None:
+        """Raise the reason the upload is refused, if it is: ``broken``, the parser's own error, first."""
+        field = self.field
+        if broken is None and not self.ended:
             raise APIError.invalid("The multipart body ends before its closing boundary: it was cut short, and "
                                    "nothing of it is stored.", param=field)
         if broken is not None:
             raise APIError.invalid(f"The multipart body could not be read ({broken}); a part's headers, its "
                                    "filename among them, are limited in size.", param=field)
-        if failure:
-            raise failure[0]  # the writer removes what it wrote
-        if upload.filename is None:
+        if self.failure:
+            raise self.failure
+        if self.upload.filename is None:
             raise APIError.invalid(f"The body has no part named '{field}'.", param=field)
-        if callable(check) and type(check(upload.fields)) is not type(state["check"]):
+        if callable(self.check) and type(self.check(self.upload.fields)) is not type(self.file_check):
             raise APIError.invalid(f"The form fields that say what the file is (purpose) must come before the "
                                    f"'{field}' part, as OpenAI's clients send them.", param="purpose")
-    upload.bytes = state["check"].bytes
-    return upload

@@ -12,18 +12,7 @@ A batch waits its turn in ``validating``; a server that restarts runs again ever
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class Status(str, Enum):
-    VALIDATING = "validating"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
+from ..batch import ENDED, Status
 
 
 S = Status
@@ -44,6 +33,7 @@ TIMESTAMP: dict[Status, str] = {
 }
 
 FINAL = frozenset(s for s, after in TRANSITIONS.items() if not after)
+assert FINAL == ENDED, "a batch.json is written for a batch in a final status, and only then"
 #: final status -> the webhook event it sends (OpenAI's ``batch.completed``, ``batch.failed``, ...).
 EVENT: dict[Status, str] = {s: f"batch.{s.value}" for s in sorted(FINAL)}
 #: Statuses a cancel is accepted in (a finalizing batch has every answer already).

@@ -14,12 +14,13 @@ import hashlib
 import logging
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
 import sqlalchemy.exc
 
-from ..batch import BatchErrors, BatchResult, failure_reason
+from ..batch import BatchErrors, BatchResult, RequestCounts, failure_reason
 from ..config import BatchConfig, ConfigError
 from ..context import RunListener
 from ..errors import BatchStopped, EngineStartError, ErrorCode, describe_exception
@@ -27,7 +28,7 @@ from ..media import BY_PURPOSE
 from .files import FileStorage
 from .lifecycle import Status
 from .settings import ServiceSettings
-from .store import BatchRecord, FileRecord, Store
+from .store import BatchChange, BatchRecord, FileRecord, Store
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,9 @@ class Progress(TableTurns):
     def validated(self, total: int, invalid: int, answered: int) -> None:
         self._check()
         # a resumed run's earlier rows count as completed until the run ends and its tally splits them exactly
-        counts = dict(total=total, failed=invalid, completed=answered)
-        if self.store.move(self.running.batch_id, Status.IN_PROGRESS, **counts) is None:  # a resumed run
-            self.store.update(self.running.batch_id, **counts)
+        counts = BatchChange(counts=RequestCounts(total=total, failed=invalid, completed=answered))
+        if self.store.move(self.running.batch_id, Status.IN_PROGRESS, counts) is None:  # a resumed run
+            self.store.update(self.running.batch_id, counts)
 
     def committed(self, responses: int, errors: int) -> None:
         self.running.committed_since_yield = True
@@ -199,7 +200,7 @@ class BatchRunner:
     def run(self, spark: Any, batch: BatchRecord, running: Run) -> None:
         from ..pipeline import run_batch
 
-        self.store.update(batch.id, runs=batch.runs + 1)
+        self.store.update(batch.id, BatchChange(runs=batch.runs + 1))
         log.info("batch %s: run %d starts", batch.id, batch.runs + 1)
         try:
             result = run_batch(spark, self.config(batch, resume=batch.runs > 0), Progress(self.store, running,
@@ -239,33 +240,34 @@ class BatchRunner:
     def fail(self, batch: BatchRecord, exc: BaseException) -> None:
         log.error("batch %s: failed: %s", batch.id, describe_exception(exc))
         errors = BatchErrors(data=[failure_reason(exc)], total=1)
-        self.store.move(batch.id, Status.FAILED, errors=errors.model_dump(exclude_none=True))
+        self.store.move(batch.id, Status.FAILED, BatchChange(errors=errors))
 
     def record(self, batch: BatchRecord, result: BatchResult) -> None:
         """The run's batch object into the store: counts, usage, the output and error files, the final status."""
         b = result.batch
-        counts = dict(total=b.request_counts.total, completed=b.request_counts.completed,
-                      failed=b.request_counts.failed, input_tokens=b.usage.input_tokens,
-                      output_tokens=b.usage.output_tokens, model=b.model or None)
         # errors.data names lines of the input file by its id, not by where the server keeps it
         errors = b.errors.model_copy(update={"data": [e.model_copy(update={"file": batch.input_file_id})
-                                                      for e in b.errors.data]}).model_dump(exclude_none=True)
+                                                      for e in b.errors.data]})
+        tally = BatchChange(counts=b.request_counts, input_tokens=b.usage.input_tokens,
+                            output_tokens=b.usage.output_tokens, model=b.model or None,
+                            errors=errors if b.errors.data else None)
         if b.status == "completed" and _not_a_batch_file(result):
-            self.store.move(batch.id, Status.FAILED, errors=errors, **counts)
+            self.store.move(batch.id, Status.FAILED, dataclasses.replace(tally, errors=errors))
             log.info("batch %s: failed: no line of its file is a batch request", batch.id)
             return
         current = self.store.batch(batch.id)
-        files = dict(output_file_id=self.register(batch, "output", result.output_file, b.request_counts.completed),
-                     error_file_id=self.register(batch, "error", result.error_file, b.request_counts.failed))
+        change = dataclasses.replace(
+            tally, output_file_id=self.register(batch, "output", result.output_file, b.request_counts.completed),
+            error_file_id=self.register(batch, "error", result.error_file, b.request_counts.failed))
         if b.status == "completed" and current is not None and current.status is Status.CANCELLING:
             target = Status.CANCELLED  # a cancel that came when every request was answered already
         else:
             target = Status(b.status)
         if target is Status.COMPLETED:
             self.store.move(batch.id, Status.FINALIZING)  # when the run did not say (a resumed, finished run)
-        moved = self.store.move(batch.id, target, errors=errors if b.errors.data else None, **counts, **files)
+        moved = self.store.move(batch.id, target, change)
         log.info("batch %s: %s (%d completed, %d failed)", batch.id, (moved or current or batch).status.value,
-                 counts["completed"], counts["failed"])
+                 b.request_counts.completed, b.request_counts.failed)
 
     def register(self, batch: BatchRecord, kind: str, location: str, lines: int) -> Optional[str]:
         """The batch's output or error file as a file of its owner (the same id on every run: registering it

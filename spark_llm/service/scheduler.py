@@ -27,7 +27,7 @@ from .lifecycle import Status
 from .queue import ends_early, has_room, over_token_limit, queue_order, to_pause
 from .runs import BatchRunner, Run
 from .settings import ServiceSettings
-from .store import BatchRecord, Store
+from .store import BatchChange, BatchRecord, Store
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class Scheduler:
         if message is None:
             return False
         errors = BatchErrors(data=[{"code": TOKEN_LIMIT_EXCEEDED, "message": message}], total=1)
-        self.store.move(batch.id, Status.FAILED, errors=errors.model_dump(exclude_none=True))
+        self.store.move(batch.id, Status.FAILED, BatchChange(errors=errors))
         log.info("batch %s: failed: %s", batch.id, message)
         return True
 

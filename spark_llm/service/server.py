@@ -9,7 +9,7 @@ import contextlib
 import logging
 import socket
 import sys
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from ..config import BatchConfig, ConfigError, spark_conf_from_yaml
 from ..flags import add_run_arguments, argument_kwargs, configure_logging
@@ -53,30 +53,46 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     """Run the service until the process is told to stop."""
     import uvicorn
 
-    from . import audit
-    from .access import Service
-    from .api import create_app
-    from .delivery import Sender
     from .door import uvicorn_config
     from ..filesystems import hadoop_settings
     from .files import FileStorage
-    from .scheduler import Scheduler
-    from .store import Store
 
-    keys = settings.keys()
     # first: the default database and audit log live under it; on S3 reached and encrypted as the server's Spark
     try:
         files = FileStorage(settings.storage, hadoop_settings(spark_conf or {}))
     except ConfigError as exc:
         print(f"spark-llm serve: error: {exc}", file=sys.stderr)
         return 2
+    app = _app(base, settings, files, session=lambda: _session(base, spark_conf or {}, master, remote))
+    sock = _listening(settings)
+    if sock is None:
+        return 2
+    keys = settings.keys()
+    access = (f"{len(keys)} API key(s)" if keys else
+              "no API keys: listening on this machine only; give --api-keys FILE to serve others")
+    print(f"spark-llm serve: http://{settings.host}:{sock.getsockname()[1]}/v1 ({access}); storage {files.root}",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0
+
+
+def _app(base: BatchConfig, settings: ServiceSettings, files: Any, session: Callable[[], Any]) -> Any:
+    """The service's ASGI app over its store and files, whose life starts and stops the batch scheduler (it runs
+    the batches on the ``session`` it makes when it first needs one) and the webhooks' sender."""
+    from . import audit
+    from .access import Service
+    from .api import create_app
+    from .delivery import Sender
+    from .scheduler import Scheduler
+    from .store import Store
+
     if settings.audit_path():
         audit.write_to(settings.audit_path())
     if swept := files.sweep_partials():
         log.info("removed %d temporary file(s) of uploads cut off by a server that stopped", swept)
     store = Store(settings.database())
-    scheduler = Scheduler(base, settings, store, files, session=lambda: _session(base, spark_conf or {}, master,
-                                                                                   remote))
+    scheduler = Scheduler(base, settings, store, files, session=session)
     sender = Sender(store, settings)
     app = create_app(Service(settings=settings, store=store, files=files, scheduler=scheduler))
 
@@ -93,6 +109,11 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
             store.close()
 
     app.router.lifespan_context = lifespan
+    return app
+
+
+def _listening(settings: ServiceSettings) -> Optional[socket.socket]:
+    """A socket bound to the service's address, or None (and why, printed) when it cannot be."""
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -101,15 +122,9 @@ def serve(base: BatchConfig, settings: ServiceSettings, spark_conf: Optional[dic
     except OSError as exc:
         print(f"spark-llm serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}",
               file=sys.stderr)
-        return 2
-    port = sock.getsockname()[1]
-    access = (f"{len(keys)} API key(s)" if keys else
-              "no API keys: listening on this machine only; give --api-keys FILE to serve others")
-    print(f"spark-llm serve: http://{settings.host}:{port}/v1 ({access}); storage {files.root}", file=sys.stderr,
-          flush=True)
-    server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
-    return 0
+        sock.close()
+        return None
+    return sock
 
 
 def _session(base: BatchConfig, spark_conf: dict[str, str], master: Optional[str], remote: Optional[str]) -> Any:

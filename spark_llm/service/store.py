@@ -21,7 +21,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict
 
-from ..batch import Batch, RequestCounts, Usage
+from ..batch import Batch, BatchErrors, RequestCounts, Usage
 from ..host import private_file
 from . import lifecycle
 from .audit import audit
@@ -152,9 +152,9 @@ class BatchRecord(Batch):
     """A batch as the service keeps it: OpenAI's :class:`~spark_llm.batch.Batch` (its API object is this record's
     Batch fields) and the service's own fields; its table, :data:`batches_table`, follows from its fields."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
-    status: Status  #: the lifecycle's enum (its values are Batch.status's)
+    status: Status  #: the enum itself (``is Status.CANCELLING``), where the API object has its value
     request_counts: RequestCounts = RequestCounts(total=0, completed=0, failed=0)
     owner: str  #: the key's owner id
     output_expires_after: Optional[int] = None  #: seconds after completion its output files are deleted
@@ -180,6 +180,35 @@ _FLATTENED = {"request_counts": tuple(RequestCounts.model_fields), "usage": ("in
 _JSON_FIELDS = {"errors": "errors_json", "metadata": "metadata_json"}
 #: Columns looked up by, beside the id.
 _INDEXED = ("owner", "status")
+
+
+@dataclass(frozen=True)
+class BatchChange:
+    """What a move or an update of a batch sets beside its status: the fields given (the others stay as they are),
+    stored as :data:`batches_table` keeps its record's fields."""
+
+    counts: Optional[RequestCounts] = None
+    input_tokens: Optional[int] = None
+    output_tokens: Optional[int] = None
+    model: Optional[str] = None
+    errors: Optional[BatchErrors] = None
+    output_file_id: Optional[str] = None
+    error_file_id: Optional[str] = None
+    runs: Optional[int] = None
+
+    def columns(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, RequestCounts):  # its own columns, as _FLATTENED stores a record's counts
+                out.update(value.model_dump())
+            elif f.name in _JSON_FIELDS:
+                out[_JSON_FIELDS[f.name]] = value.model_dump_json(exclude_none=True)
+            else:
+                out[f.name] = value
+        return out
 
 
 def _columns_of(record: type[BaseModel]) -> list[sa.Column]:
@@ -305,7 +334,11 @@ SCHEMA_LOCK = 0x5350_4C4C  # "SPLL"
 
 
 class Store:
-    """The records, in the database at ``url``; every call is its own transaction and safe from any thread."""
+    """The records, in the database at ``url``; every call is its own transaction and safe from any thread.
+
+    One class for all the service's tables (files, batches, uploads, webhooks, leases; a section each), not one per
+    table: a call's transaction may span several (a batch's final move writes its webhook event and a delivery per
+    endpoint, a batch's create checks its file), and every part of the server holds this one."""
 
     def __init__(self, url: str):
         kwargs: dict[str, Any] = {}
@@ -469,10 +502,13 @@ class Store:
         with self.engine.connect() as db:
             return [_batch_record(r) for r in db.execute(query.order_by(t.c.seq))]
 
-    def move(self, id: str, to: Status, now: Optional[int] = None, **changes: Any) -> Optional[BatchRecord]:
-        """Move batch ``id`` to status ``to`` (setting its timestamp and ``changes``) if its status allows it:
-        the batch as it is now, or None when it was not in a status ``to`` may follow (another call moved it)."""
-        values = {"status": to.value, lifecycle.TIMESTAMP[to]: now or int(time.time()), **_columns(changes)}
+    def move(self, id: str, to: Status, change: Optional[BatchChange] = None,
+             now: Optional[int] = None) -> Optional[BatchRecord]:
+        """Move batch ``id`` to status ``to`` (setting its timestamp and the fields of ``change``) if its status
+        allows it: the batch as it is now, or None when it was not in a status ``to`` may follow (another call moved
+        it)."""
+        values = {"status": to.value, lifecycle.TIMESTAMP[to]: now or int(time.time()),
+                  **(change.columns() if change is not None else {})}
         allowed = [s.value for s in lifecycle.sources(to)]
         t = batches_table
         with self.engine.begin() as db:
@@ -489,11 +525,10 @@ class Store:
                   completed=counts.completed, failed=counts.failed, reason=reason)
         return batch
 
-    def update(self, id: str, **changes: Any) -> None:
+    def update(self, id: str, change: BatchChange) -> None:
         """Set fields of batch ``id`` that are not its status (counts, files, runs)."""
-        assert "status" not in changes
         with self.engine.begin() as db:
-            db.execute(batches_table.update().where(batches_table.c.id == id).values(**_columns(changes)))
+            db.execute(batches_table.update().where(batches_table.c.id == id).values(**change.columns()))
 
     def add_counts(self, id: str, completed: int = 0, failed: int = 0) -> None:
         t = batches_table
@@ -640,14 +675,6 @@ class Store:
         return rows[:limit], len(rows) > limit
 
 
-def _columns(changes: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for name, value in changes.items():
-        if name in _JSON_FIELDS:
-            out[_JSON_FIELDS[name]] = None if value is None else json.dumps(value)
-        else:
-            out[name] = value
-    return out
 
 
 def _add_event(db: Any, batch_id: str, type: str, at: int) -> None:

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
 from .access import own_batch, owner, service_of
+from .lifecycle import CANCELLABLE, Status
 from .protocol import APIError
 
 router = APIRouter()
@@ -80,6 +81,7 @@ iframe{width:100%;height:900px;border:1px solid #ddd}#key-form{margin-bottom:16p
 <table><thead><tr><th>code</th><th>lines</th></tr></thead><tbody id="codes"></tbody></table>
 <h3>Report</h3><iframe id="report" title="report" sandbox></iframe></div>
 <script>
+const CANCELLABLE = __CANCELLABLE__, IN_PROGRESS = "__IN_PROGRESS__";  // service/lifecycle.py's
 const key = () => sessionStorage.getItem("spark_llm_key") || "";
 const api = async (path, opts = {}) => {
   const r = await fetch(path, {...opts, headers: {"Authorization": "Bearer " + key(), ...(opts.headers || {})}});
@@ -92,7 +94,7 @@ const esc = v => String(v ?? "").replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "
                                                            "'": "&#39;"})[c]);
 function left(b) {
   const n = b.request_counts, done = n.completed + n.failed;
-  if (b.status !== "in_progress" || !b.in_progress_at || !done || !n.total) return "";
+  if (b.status !== IN_PROGRESS || !b.in_progress_at || !done || !n.total) return "";
   const rate = done / (Date.now() / 1000 - b.in_progress_at);
   return Math.max(0, Math.round((n.total - done) / rate)) + " s";
 }
@@ -118,7 +120,7 @@ async function detail(id) {
   document.getElementById("summary").innerHTML = `<span class="status" id="detail-status">${esc(b.status)}</span> ` +
     `${bar(b)} ${esc(n.completed)} completed, ${esc(n.failed)} failed of ${esc(n.total)}. ` +
     esc(left(b) ? "About " + left(b) + " left." : "");
-  document.getElementById("cancel").hidden = !["validating", "in_progress"].includes(b.status);
+  document.getElementById("cancel").hidden = !CANCELLABLE.includes(b.status);
   const codes = await (await api(`/ui/api/batches/${encodeURIComponent(id)}/errors`)).json();
   document.getElementById("codes").innerHTML = Object.entries(codes.errors_by_code)
     .map(([c, k]) => `<tr><td>${esc(c)}</td><td>${esc(k)}</td></tr>`).join("") ||
@@ -152,4 +154,5 @@ document.getElementById("cancel").onclick = async () => {
 window.onhashchange = refresh;
 refresh(); setInterval(refresh, 2000);
 </script></body></html>
-"""
+""".replace("__CANCELLABLE__", json.dumps(sorted(s.value for s in CANCELLABLE))).replace(
+    "__IN_PROGRESS__", Status.IN_PROGRESS.value)
