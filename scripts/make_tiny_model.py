@@ -368,6 +368,17 @@ def build_whisper(out: Path, *, seed: int = 0, vocab_size: int = 2048) -> Path:
     return out
 
 
+def _quiet() -> None:
+    """This command's console: the line it prints per model, without transformers' progress bars and its load
+    report of the heads a classifier adds (random weights are what a tiny model is made of)."""
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    disable_progress_bars()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="model directory to create (replaced if it exists)")
@@ -385,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=2048, help="max_position_embeddings of the model")
     p.add_argument("--if-stale", action="store_true", help="do nothing when --out already holds this version's model")
     args = p.parse_args(argv)
+    _quiet()
     if args.kind == "lora":
         if not args.base:
             p.error("--kind lora needs --base (the tiny Llama's directory)")
