@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from drills import DrillContext, Lane, drill
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODEL_NAME = "tiny-llm"
@@ -33,6 +35,31 @@ POISON_ENGINE_ID = "poison-kills-engine"
 #: Engine calls holding requests whose custom_id starts with this wait until two have arrived (spark_llm.faults): a
 #: batch of two partitions of them runs on the two engines at once (tests/test_sampling_seeds.py)
 MEETING_PREFIX = "meet-"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that assert on a drill (tests/drills.py) run last, in their order: the lane runs the drills of
+    the tests selected while the others run."""
+    drilled = [item for item in items if item.get_closest_marker("drill")]
+    config.drills = list(dict.fromkeys(m.args[0] for item in drilled for m in item.iter_markers("drill")))
+    items[:] = [item for item in items if not item.get_closest_marker("drill")] + drilled
+
+
+@pytest.fixture(scope="session", autouse=True)
+def lane(request, tmp_path_factory):
+    """The drills of the tests selected (tests/drills.py), started with the test run; None when there are none."""
+    from spark_llm.engine_host import ENGINE_DIR_ENV
+    from spark_llm.faults import FAULT_ENV
+    from spark_llm.models import MODEL_CACHE_ENV
+
+    names = getattr(request.config, "drills", [])
+    if not names:
+        yield None
+        return
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, ENGINE_DIR_ENV, MODEL_CACHE_ENV)}
+    drills = Lane(DrillContext(request.getfixturevalue("tiny_model"), tmp_path_factory.mktemp("drills"), env), names)
+    yield drills
+    drills.close()
 
 
 @pytest.fixture(scope="session")
@@ -98,9 +125,7 @@ def spark(tmp_path_factory, kill_marker, engine_dir, model_cache, s3_server):
     from spark_llm.session import get_session
 
     # set before Spark starts: local workers inherit the driver's environment
-    os.environ[FAULT_ENV] = (f"kill_worker_once:{kill_marker}:{KILL_CUSTOM_ID};crash_on_custom_id:{POISON_WORKER_ID};"
-                             f"kill_engine_on_custom_id:{POISON_ENGINE_ID};"
-                             f"meet_before_engine_call:{tmp_path_factory.mktemp('meeting')}:{MEETING_PREFIX}:2")
+    os.environ[FAULT_ENV] = shared_faults(kill_marker, tmp_path_factory.mktemp("meeting"))
     os.environ[ENGINE_DIR_ENV] = str(engine_dir)
     os.environ[MODEL_CACHE_ENV] = str(model_cache)
     warehouse = tmp_path_factory.mktemp("warehouse")
@@ -114,6 +139,12 @@ def spark(tmp_path_factory, kill_marker, engine_dir, model_cache, s3_server):
     }, app_name="spark_llm-tests")
     yield session
     session.stop()
+
+
+def shared_faults(kill_marker: Path, meeting: Path) -> str:
+    """The faults injected into the shared run (spark_llm.faults; see KILL_CUSTOM_ID and the poison requests)."""
+    return (f"kill_worker_once:{kill_marker}:{KILL_CUSTOM_ID};crash_on_custom_id:{POISON_WORKER_ID};"
+            f"kill_engine_on_custom_id:{POISON_ENGINE_ID};meet_before_engine_call:{meeting}:{MEETING_PREFIX}:2")
 
 
 def _load_script(name: str):
@@ -275,10 +306,11 @@ class SharedRun:
     root: Path
     logs: list[str]                             #: spark_llm's INFO+ log messages during the run
     kill_marker: Path                           #: made by the worker the kill_worker_once fault killed
+    engine_dir: Path                            #: where its engines kept their records
 
 
 @pytest.fixture(scope="session")
-def shared_run(spark, tiny_model, tmp_path_factory, kill_marker) -> SharedRun:
+def shared_run(spark, tiny_model, tmp_path_factory, kill_marker, engine_dir) -> SharedRun:
     """The one end-to-end run most job-level tests assert on: ordinary, hostile, fault-injected and every request
     shape's lines in four files (tests/batch_lines.py), on real Spark, Delta and vLLM."""
     from batch_lines import build_e2e_input, build_hostile_input, build_shapes_input
@@ -291,15 +323,15 @@ def shared_run(spark, tiny_model, tmp_path_factory, kill_marker) -> SharedRun:
                       **engine_settings(tiny_model))
     with capture_logs() as messages:
         result = run_batch(spark, cfg)
-    return SharedRun(result, expected, root, messages, kill_marker)
+    return SharedRun(result, expected, root, messages, kill_marker, engine_dir)
 
 
-@pytest.fixture(scope="session")
-def connect_run(tiny_model, tmp_path_factory) -> SharedRun:
+@drill("connect")
+def connect_drill(ctx: DrillContext) -> SharedRun:
     """The shared run's input and settings again, over Spark Connect: ``spark-llm run --remote local[4]`` starts a
     local Connect server with Delta in a process of its own (a Connect client cannot share this test process with
-    the classic session), so no SparkContext, JVM or accumulator is on the driver's side."""
-    import subprocess
+    the classic session), so no SparkContext, JVM or accumulator is on the driver's side; with the shared run's
+    faults, its engines in a directory of their own."""
     import sys
 
     import yaml
@@ -308,9 +340,10 @@ def connect_run(tiny_model, tmp_path_factory) -> SharedRun:
     from spark_llm.batch import BatchObject, BatchResult
     from spark_llm.config import BatchConfig
     from spark_llm.context import RunPaths
+    from spark_llm.engine_host import ENGINE_DIR_ENV
     from spark_llm.faults import FAULT_ENV
 
-    root = tmp_path_factory.mktemp("connect")
+    root, tiny_model = ctx.out("connect"), ctx.tiny_model
     expected = {**build_e2e_input(root / "input"), **build_hostile_input(root / "input"),
                 **build_shapes_input(root / "input")}
     settings = dict(input=str(root / "input"), output_dir=str(root / "out"), batch_id="b-e2e",
@@ -318,16 +351,20 @@ def connect_run(tiny_model, tmp_path_factory) -> SharedRun:
     config = root / "connect.yaml"
     config.write_text(yaml.safe_dump({**settings, "spark": {"spark.ui.enabled": "false",
                                                              "spark.sql.shuffle.partitions": "2"}}))
-    marker = root / "killed.marker"
-    env = {**os.environ, FAULT_ENV: os.environ[FAULT_ENV].replace(
-        os.environ[FAULT_ENV].split(";")[0], f"kill_worker_once:{marker}:{KILL_CUSTOM_ID}")}
-    proc = subprocess.run([sys.executable, "-m", "spark_llm.cli", "run", "--remote", "local[4]", "--config",
-                           str(config)], env=env, capture_output=True, text=True, timeout=1800, cwd=root)
+    marker, engines = root / "killed.marker", ctx.out("connect-engines")
+    proc = ctx.run([sys.executable, "-m", "spark_llm.cli", "run", "--remote", "local[4]", "--config", config],
+                   timeout=1800, cwd=root, env={FAULT_ENV: shared_faults(marker, ctx.out("connect-meeting")),
+                                                ENGINE_DIR_ENV: str(engines)})
     assert proc.returncode == 0, proc.stderr[-6000:]
     paths = RunPaths.from_config(BatchConfig(**settings))
     batch = BatchObject.model_validate_json(Path(paths.batch_file).read_text())
     logs = [line.split(": ", 1)[1] for line in proc.stderr.splitlines() if " spark_llm." in line and ": " in line]
-    return SharedRun(BatchResult(batch, paths), expected, root, logs, marker)
+    return SharedRun(BatchResult(batch, paths), expected, root, logs, marker, engines)
+
+
+@pytest.fixture(scope="session")
+def connect_run(lane) -> SharedRun:
+    return lane.result("connect")
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from spark_llm.schemas import ERRORS_COLUMNS, ERRORS_STATS, OUTPUTS_COLUMNS, OUT
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module", params=["classic", "connect"])
+@pytest.fixture(scope="module", params=["classic", pytest.param("connect", marks=pytest.mark.drill("connect"))])
 def session_run(request):
     """The shared run (classic session) or the same batch over Spark Connect."""
     return request.getfixturevalue("shared_run" if request.param == "classic" else "connect_run")
@@ -277,7 +277,7 @@ def test_worker_killed_mid_partition_is_retried_exactly_once(spark, run, session
     assert Path(result.output_file).read_text().count(f'"custom_id":"{KILL_CUSTOM_ID}"') == 1
 
 
-def test_poison_requests_are_set_aside_and_the_rest_of_their_partitions_answered(spark, run, engine_dir, tiny_model):
+def test_poison_requests_are_set_aside_and_the_rest_of_their_partitions_answered(spark, run, session_run, tiny_model):
     """One request kills its Python worker, one its engine process, on every attempt (spark_llm.faults): each ends
     as one engine_error row, every other line as expected (test_every_line_ends_exactly_once_in_the_delta_tables)."""
     from spark_llm.engine_host import EngineSpec
@@ -294,7 +294,7 @@ def test_poison_requests_are_set_aside_and_the_rest_of_their_partitions_answered
     assert sum(m["engine_deaths"] for m in metrics if m["batch_id"] == "b-e2e") >= 3
     # ... and the engine killed under a live worker was rebuilt in place (twice at least) during the run
     key = EngineSpec.from_config(resolve(BatchConfig(**engine_settings(tiny_model)))).key
-    rebuilt = [e for e in read_events(engine_dir) if e["event"] == "ready" and e["key"] == key
+    rebuilt = [e for e in read_events(session_run.engine_dir) if e["event"] == "ready" and e["key"] == key
                and result.batch.created_at <= e["time"] <= result.batch.completed_at]
     assert len(rebuilt) >= 2
     # the journal of the run went with the staging area

@@ -7,12 +7,12 @@ TP=2 vLLM on two CPU cores). And an executor lost for real: two executors, one J
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT
+from drills import drill
 
 pytestmark = pytest.mark.engine
 
@@ -20,19 +20,24 @@ GPUS = 2
 REQUESTS = 240
 
 
-def run_cluster(tiny_model, out, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "fake_gpu_cluster.py"), "--model", tiny_model,
-                           "--out", str(out), "--gpus", str(GPUS), *args],
-                          capture_output=True, text=True, timeout=1200, cwd=ROOT)
+def run_cluster(ctx, name: str, *args: str) -> dict:
+    proc = ctx.run([sys.executable, ROOT / "scripts" / "fake_gpu_cluster.py", "--model", ctx.tiny_model,
+                    "--out", ctx.out(name), "--gpus", GPUS, *args], timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "log": proc.stderr}
 
 
+@drill("fake-gpu-cluster")
+def fake_gpu_cluster(ctx) -> dict:
+    return run_cluster(ctx, "fake-gpu-cluster", "--requests", str(REQUESTS))
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory) -> dict:
-    return run_cluster(tiny_model, tmp_path_factory.mktemp("fake-gpu-cluster"), "--requests", str(REQUESTS))
+def cluster(lane) -> dict:
+    return lane.result("fake-gpu-cluster")
 
 
+@pytest.mark.drill("fake-gpu-cluster")
 def test_every_line_once_on_the_fake_gpu_cluster(cluster):
     assert (cluster["completed"], cluster["failed"], cluster["output_lines"]) == (REQUESTS, 0, REQUESTS)
     assert cluster["partitions"] >= 8 and sum(m["rows"] for m in cluster["metrics"]) == REQUESTS
@@ -41,6 +46,7 @@ def test_every_line_once_on_the_fake_gpu_cluster(cluster):
     assert cluster["capacity"] == {"executors": 1, "gpus": GPUS}
 
 
+@pytest.mark.drill("fake-gpu-cluster")
 def test_no_gpu_ever_has_two_live_engines(cluster):
     spans: dict[str, list[tuple[float, float]]] = {}
     stops = {e["pid"]: e["time"] for e in cluster["events"] if e["event"] == "stop"}
@@ -54,6 +60,7 @@ def test_no_gpu_ever_has_two_live_engines(cluster):
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(lives, lives[1:])), (device, lives)
 
 
+@pytest.mark.drill("fake-gpu-cluster")
 def test_each_gpu_engine_is_built_once_for_the_batch(cluster):
     ready = [e for e in cluster["events"] if e["event"] == "ready"]
     assert sorted(d for e in ready for d in e["devices"]) == [str(i) for i in range(GPUS)]
@@ -62,6 +69,7 @@ def test_each_gpu_engine_is_built_once_for_the_batch(cluster):
     assert "engines ready on gpu-0, gpu-1" in cluster["log"]
 
 
+@pytest.mark.drill("fake-gpu-cluster")
 def test_a_partition_is_answered_by_the_engine_of_the_gpus_its_task_held(cluster):
     devices_of = {e["pid"]: e["devices"] for e in cluster["events"] if e["event"] == "ready"}
     for m in cluster["metrics"]:
@@ -70,6 +78,7 @@ def test_a_partition_is_answered_by_the_engine_of_the_gpus_its_task_held(cluster
     assert {m["gpus"] for m in cluster["metrics"]} == {str(i) for i in range(GPUS)}
 
 
+@pytest.mark.drill("fake-gpu-cluster")
 def test_only_inference_asks_for_gpus_and_two_tasks_feed_each_gpu_s_engine(cluster):
     assert cluster["cpu_tasks_at_once"] > GPUS  # reading, validation, counting: every core
     assert cluster["tasks_per_engine"] == 2
@@ -77,22 +86,38 @@ def test_only_inference_asks_for_gpus_and_two_tasks_feed_each_gpu_s_engine(clust
     assert cluster["tasks_at_once_per_gpus"] == {str(i): 2 for i in range(GPUS)}  # each engine fed by two at once
 
 
-def test_a_tensor_parallel_group_gets_one_engine_on_all_its_gpus(tiny_model, tmp_path):
-    group = run_cluster(tiny_model, tmp_path, "--requests", "32", "--tensor-parallel-size", "2",
-                        "--task-gpu-amount", "2", "--target-tokens-per-partition", "400")
+@drill("tensor-parallel-group")
+def tensor_parallel_group(ctx) -> dict:
+    return run_cluster(ctx, "tensor-parallel", "--requests", "32", "--tensor-parallel-size", "2",
+                       "--task-gpu-amount", "2", "--target-tokens-per-partition", "400")
+
+
+@pytest.mark.drill("tensor-parallel-group")
+def test_a_tensor_parallel_group_gets_one_engine_on_all_its_gpus(lane):
+    group = lane.result("tensor-parallel-group")
     assert (group["completed"], group["failed"], group["output_lines"]) == (32, 0, 32)
     ready = [e for e in group["events"] if e["event"] == "ready"]
     assert [(e["slot"], e["devices"]) for e in ready] == [("gpu-0,1", ["0", "1"])]
     assert {(m["gpus"], m["engine_pid"]) for m in group["metrics"]} == {("0,1", ready[0]["pid"])}
 
 
-def test_an_executor_killed_mid_wave_loses_nothing(tiny_model, tmp_path):
+KILLED_EXECUTOR_REQUESTS = 120
+
+
+@drill("killed-executor")
+def killed_executor(ctx) -> dict:
+    return run_cluster(ctx, "killed-executor", "--requests", str(KILLED_EXECUTOR_REQUESTS), "--gpus", "0",
+                       "--executors", "2", "--cores", "1", "--kill-executor",
+                       "--engine-standin", "l4-8b,max_num_seqs=32,start_seconds=5")
+
+
+@pytest.mark.drill("killed-executor")
+def test_an_executor_killed_mid_wave_loses_nothing(lane):
     """Two executors without GPUs; one executor's JVM is killed (SIGKILL) as an engine call holding the middle
     request starts. Spark reruns its tasks on the other executor; the batch finishes with every line exactly once.
     The engine stand-in answers (an L4's rates): the drill is about Spark's retry and the partition's journal."""
-    requests = 120
-    got = run_cluster(tiny_model, tmp_path, "--requests", str(requests), "--gpus", "0", "--executors", "2",
-                      "--cores", "1", "--kill-executor", "--engine-standin", "l4-8b,max_num_seqs=32,start_seconds=5")
+    requests = KILLED_EXECUTOR_REQUESTS
+    got = lane.result("killed-executor")
     assert got["executor_killed"] and "Lost executor" in got["log"]
     assert (got["completed"], got["failed"], got["output_lines"]) == (requests, 0, requests)
     assert sum(m["rows"] for m in got["metrics"]) == requests
@@ -101,14 +126,23 @@ def test_an_executor_killed_mid_wave_loses_nothing(tiny_model, tmp_path):
     assert sum(m["engine_deaths"] for m in got["metrics"]) == 1
 
 
-def test_a_gpu_whose_engine_cannot_start_hands_its_tasks_to_the_other_gpu(tiny_model, tmp_path):
+BAD_GPU_REQUESTS = 120
+
+
+@drill("bad-gpu")
+def bad_gpu(ctx) -> dict:
+    return run_cluster(ctx, "bad-gpu", "--requests", str(BAD_GPU_REQUESTS), "--bad-gpu", "1",
+                       "--engine-standin", "free")
+
+
+@pytest.mark.drill("bad-gpu")
+def test_a_gpu_whose_engine_cannot_start_hands_its_tasks_to_the_other_gpu(lane):
     """Every engine start on fake GPU 1 fails (fail_engine_start_on_gpu, as an ECC error would): the tasks Spark
     gives GPU 1 feed GPU 0's engine instead, and the batch completes with every line once (before, each such task
     failed, and Spark's retries, offered GPU 1 again first, failed the batch). The engine stand-in answers: the
     drill is about placement."""
-    requests = 120
-    got = run_cluster(tiny_model, tmp_path, "--requests", str(requests), "--bad-gpu", "1",
-                      "--engine-standin", "free")
+    requests = BAD_GPU_REQUESTS
+    got = lane.result("bad-gpu")
     assert (got["completed"], got["failed"], got["output_lines"]) == (requests, 0, requests)
     assert sum(m["rows"] for m in got["metrics"]) == requests
     assert {e["slot"] for e in got["events"] if e["event"] == "ready"} == {"gpu-0"}

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT
+from drills import drill
 
 pytestmark = pytest.mark.engine
 
@@ -29,23 +29,29 @@ REQUESTS, GPUS = 240, 2
 STANDIN = "l4-8b,max_num_seqs=32,start_seconds=5"
 
 
-def drill(model: str, out, *flags: str, requests: int = REQUESTS, gpus: int = GPUS) -> dict:
+def standalone(ctx, name: str, *flags: str, requests: int = REQUESTS, gpus: int = GPUS) -> dict:
     """scripts/standalone_cluster.py with ``flags``: what it printed, and the driver's log."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "standalone_cluster.py"), "--model", model,
-                           "--out", str(out), "--requests", str(requests), "--gpus", str(gpus),
-                           "--engine-standin", STANDIN, *flags],
-                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    out = ctx.out(name)
+    proc = ctx.run([sys.executable, ROOT / "scripts" / "standalone_cluster.py", "--model", ctx.tiny_model,
+                    "--out", out, "--requests", requests, "--gpus", gpus, "--engine-standin", STANDIN, *flags],
+                   timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     got["driver_log"] = (out / "driver.log").read_text(errors="replace")
     return got
 
 
+@drill("standalone-kill-node")
+def kill_node_drill(ctx) -> dict:
+    return standalone(ctx, "standalone", "--kill-node")
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory) -> dict:
-    return drill(tiny_model, tmp_path_factory.mktemp("standalone"), "--kill-node")
+def cluster(lane) -> dict:
+    return lane.result("standalone-kill-node")
 
 
+@pytest.mark.drill("standalone-kill-node")
 def test_every_line_exactly_once_though_a_worker_died_mid_wave(cluster):
     assert cluster["node_killed"] and "Lost executor" in cluster["driver_log"], cluster["driver_log"][-3000:]
     assert cluster["exit_code"] == 0 and cluster["status"] == "completed", cluster["driver_log"][-3000:]
@@ -53,6 +59,7 @@ def test_every_line_exactly_once_though_a_worker_died_mid_wave(cluster):
     assert sorted(cluster["output_ids"]) == sorted(f"r{i}" for i in range(REQUESTS)) and cluster["error_ids"] == []
 
 
+@pytest.mark.drill("standalone-kill-node")
 def test_each_worker_s_gpus_each_got_one_engine_and_never_two_at_once(cluster):
     for worker, events in cluster["events"].items():
         ready = sorted((e["slot"], e["pid"]) for e in events if e["event"] == "ready")
@@ -68,6 +75,7 @@ def test_each_worker_s_gpus_each_got_one_engine_and_never_two_at_once(cluster):
             assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), (worker, device)
 
 
+@pytest.mark.drill("standalone-kill-node")
 def test_every_engine_ended_with_its_executor_the_killed_worker_s_while_the_batch_ran(cluster):
     """Engines watch their executor: the killed worker's stopped mid-batch (the GPUs are not held for a dead
     executor), the other worker's when the application ended and took its executor (script: engines_ended)."""
@@ -80,13 +88,19 @@ def test_every_engine_ended_with_its_executor_the_killed_worker_s_while_the_batc
     assert len(during) == 1, (cluster["finalizing_at"], stops)
 
 
-@pytest.fixture(scope="module")
-def elastic(tiny_model, tmp_path_factory) -> dict:
+@drill("standalone-elastic")
+def elastic_drill(ctx) -> dict:
     """The same cluster with dynamic allocation: no executor at the start, GPU executors added for inference
     (gpus_per_executor) and removed when idle while the application still runs."""
-    return drill(tiny_model, tmp_path_factory.mktemp("elastic"), "--dynamic")
+    return standalone(ctx, "elastic", "--dynamic")
 
 
+@pytest.fixture(scope="module")
+def elastic(lane) -> dict:
+    return lane.result("standalone-elastic")
+
+
+@pytest.mark.drill("standalone-elastic")
 def test_with_dynamic_allocation_a_batch_from_no_executor_gets_gpu_executors_and_answers_every_line_once(elastic):
     assert elastic["exit_code"] == 0 and elastic["status"] == "completed", elastic["driver_log"][-3000:]
     assert sorted(elastic["output_ids"]) == sorted(f"r{i}" for i in range(REQUESTS)) and elastic["error_ids"] == []
@@ -97,6 +111,7 @@ def test_with_dynamic_allocation_a_batch_from_no_executor_gets_gpu_executors_and
     assert "engines ready on" not in elastic["driver_log"]  # no warm-up job asking Spark for every executor at once
 
 
+@pytest.mark.drill("standalone-elastic")
 def test_idle_gpu_executors_and_their_engines_go_while_the_application_still_runs(elastic):
     """Two reading executors and two GPU executors (one per worker) at the most; the GPU executors removed when idle,
     their engines ending with them, while the driver still runs. The reading executors stay: Delta's cached table
@@ -117,15 +132,21 @@ def test_idle_gpu_executors_and_their_engines_go_while_the_application_still_run
 SERVICE_BATCHES, SERVICE_REQUESTS, SERVICE_GPUS = 3, 40, 1  # a GPU a worker: two engine loads on these two cores
 
 
-@pytest.fixture(scope="module")
-def service(tiny_model, tmp_path_factory) -> dict:
+@drill("standalone-service")
+def service_drill(ctx) -> dict:
     """The batch service on the same elastic cluster (spark-submit jobs/serve.py), idle, then a burst of three
     batches created at once through openai-python; one worker killed as an engine call holding r20 starts, which
     waits until the service holds both workers' GPUs (the drill lets it go then)."""
-    return drill(tiny_model, tmp_path_factory.mktemp("service"), "--service", "--kill-node", "--batches",
-                 str(SERVICE_BATCHES), requests=SERVICE_REQUESTS, gpus=SERVICE_GPUS)
+    return standalone(ctx, "service", "--service", "--kill-node", "--batches", str(SERVICE_BATCHES),
+                      requests=SERVICE_REQUESTS, gpus=SERVICE_GPUS)
 
 
+@pytest.fixture(scope="module")
+def service(lane) -> dict:
+    return lane.result("standalone-service")
+
+
+@pytest.mark.drill("standalone-service")
 def test_the_idle_elastic_service_holds_no_executor_then_gets_gpus_for_its_backlog_and_gives_them_back(service):
     assert service["idle_before"] and set(service["idle_before"]) == {0}, service["executors"]
     assert max(service["gpus"]) == 2 * SERVICE_GPUS and service["gpus"][-1] == 0, service["gpus"]
@@ -134,6 +155,7 @@ def test_the_idle_elastic_service_holds_no_executor_then_gets_gpus_for_its_backl
           f"{service['completed_s']} s, no GPU held {service['released_s']} s after the first create")
 
 
+@pytest.mark.drill("standalone-service")
 def test_the_service_s_hold_on_the_backlog_asks_spark_for_a_gpu_executor_per_engine_it_holds(service):
     """Before the first wave, the service holds an engine per GPU for the burst's backlog (capacity.GpuHold), and
     the hold's job asks dynamic allocation for as many GPU executors (the inference profile's desired total, as
@@ -146,6 +168,7 @@ def test_the_service_s_hold_on_the_backlog_asks_spark_for_a_gpu_executor_per_eng
     assert int(held.group(1)) == 2 * SERVICE_GPUS and max(asked, default=0) == 2 * SERVICE_GPUS, asked
 
 
+@pytest.mark.drill("standalone-service")
 def test_three_batches_on_the_elastic_service_each_complete_every_line_once_though_a_worker_died(service):
     assert service["node_killed"] and "Lost executor" in service["driver_log"], service["driver_log"][-3000:]
     assert len(service["batches"]) == SERVICE_BATCHES
