@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .context import RunContext, RunPaths
     from .metrics import EngineUsage
 
+
 class Status(str, Enum):
     """OpenAI's ``Batch.status``: the values, once; which may follow which is spark_llm.service.lifecycle's."""
 

@@ -10,7 +10,7 @@ from conftest import eventually
 from spark_llm.config import ConfigError
 from spark_llm.service.files import TextCheck, check_filename
 from spark_llm.service.lifecycle import CANCELLABLE, FINAL, TIMESTAMP, TRANSITIONS, Status, sources
-from spark_llm.batch import Batch, BatchErrors, RequestCounts
+from spark_llm.batch import ENDED, Batch, BatchErrors, RequestCounts
 from spark_llm.service.protocol import APIError, BatchCreate, FileObject
 from spark_llm.service.settings import ServiceSettings
 from spark_llm.service.store import BatchChange, BatchRecord, FileRecord, Store
@@ -21,6 +21,7 @@ def test_every_status_but_validating_is_reached_and_stamped_in_a_batch_field():
     assert reached == set(Status) - {Status.VALIDATING}
     assert set(TIMESTAMP) == reached and set(TIMESTAMP.values()) <= set(Batch.model_fields)
     assert FINAL == {Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.EXPIRED}
+    assert FINAL == ENDED  # a run's batch.json is written in a final status, and only then
     assert sources(Status.CANCELLED) == {Status.CANCELLING} and not CANCELLABLE & FINAL
 
 

@@ -12,7 +12,7 @@ A batch waits its turn in ``validating``; a server that restarts runs again ever
 
 from __future__ import annotations
 
-from ..batch import ENDED, Status
+from ..batch import Status
 
 
 S = Status
@@ -33,7 +33,6 @@ TIMESTAMP: dict[Status, str] = {
 }
 
 FINAL = frozenset(s for s, after in TRANSITIONS.items() if not after)
-assert FINAL == ENDED, "a batch.json is written for a batch in a final status, and only then"
 #: final status -> the webhook event it sends (OpenAI's ``batch.completed``, ``batch.failed``, ...).
 EVENT: dict[Status, str] = {s: f"batch.{s.value}" for s in sorted(FINAL)}
 #: Statuses a cancel is accepted in (a finalizing batch has every answer already).

@@ -10,11 +10,11 @@ Everything a run needs is in the store and under the storage root: a batch that 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
