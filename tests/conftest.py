@@ -35,6 +35,9 @@ POISON_ENGINE_ID = "poison-kills-engine"
 #: Engine calls holding requests whose custom_id starts with this wait until two have arrived (spark_llm.faults): a
 #: batch of two partitions of them runs on the two engines at once (tests/test_sampling_seeds.py)
 MEETING_PREFIX = "meet-"
+#: The engine stand-in of the cluster drills: an L4's rates at 32 sequences, with a load of a few seconds, so that
+#: engine calls last as the tiny model's do here (an isolating retry's 16 calls included)
+STANDIN_L4 = "l4-8b,max_num_seqs=32,start_seconds=5"
 
 
 def pytest_collection_modifyitems(config, items):

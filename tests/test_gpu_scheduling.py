@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, STANDIN_L4
 from drills import drill
 
 pytestmark = pytest.mark.engine
@@ -108,7 +108,7 @@ KILLED_EXECUTOR_REQUESTS = 120
 def killed_executor(ctx) -> dict:
     return run_cluster(ctx, "killed-executor", "--requests", str(KILLED_EXECUTOR_REQUESTS), "--gpus", "0",
                        "--executors", "2", "--cores", "1", "--kill-executor",
-                       "--engine-standin", "l4-8b,max_num_seqs=32,start_seconds=5")
+                       "--engine-standin", STANDIN_L4)
 
 
 @pytest.mark.drill("killed-executor")

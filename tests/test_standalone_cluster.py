@@ -18,15 +18,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, STANDIN_L4 as STANDIN
 from drills import drill
 
 pytestmark = pytest.mark.engine
 
 REQUESTS, GPUS = 240, 2
-#: The engines' rates: an L4's at the drills' 32 sequences, with a load of a few seconds, so that engine calls last
-#: as the tiny model's do here (an isolating retry's 16 calls included)
-STANDIN = "l4-8b,max_num_seqs=32,start_seconds=5"
 
 
 def standalone(ctx, name: str, *flags: str, requests: int = REQUESTS, gpus: int = GPUS) -> dict:
