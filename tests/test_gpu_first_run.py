@@ -353,12 +353,25 @@ def test_the_idle_clock_starts_with_the_first_call(monkeypatch):
     after the idle timeout."""
     serving = Serving(FakeLLM())
     serving.server.watch_pid, serving.server.idle_timeout = os.getpid(), 1.0
+    serving.server.ready(ahead=True)
     threading.Thread(target=serving.server.watch, daemon=True).start()
     time.sleep(3.5)
     assert serving.stopped == []
     serving.client().stream([request(10)], lambda i, r: None)
     until(lambda: serving.stopped)
     assert serving.stopped and serving.stopped[0][0].startswith("idle for")
+
+
+def test_an_engine_whose_task_was_killed_while_it_loaded_stops_after_the_idle_timeout():
+    """A task starts its slot's engine (a rebuild, or the first task of a run without warm-up) and Spark kills the
+    task while the engine loads, because the job failed elsewhere: nobody will call this engine, which then stops
+    after the idle timeout instead of holding its GPUs for the executor's life."""
+    serving = Serving(FakeLLM())
+    serving.server.watch_pid, serving.server.idle_timeout = os.getpid(), 1.0
+    serving.server.ready(ahead=False)
+    threading.Thread(target=serving.server.watch, daemon=True).start()
+    until(lambda: serving.stopped)
+    assert serving.stopped[0][0].startswith("idle for")
 
 
 def test_a_gpu_whose_engine_cannot_start_fails_its_own_tasks_at_once_not_the_other_gpus(tmp_path, monkeypatch):

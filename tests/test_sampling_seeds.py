@@ -153,8 +153,11 @@ def test_an_engine_whose_every_step_fails_is_rebuilt_once_then_stops_the_batch_w
     lines = [line for i, line in enumerate(_mixed_lines(24)) if i % len(SHAPES)][:16]
     write_jsonl(tmp_path / "in.jsonl", lines)
     base = engine_settings(tiny_model)
+    # an engine rebuilt under a task that Spark then kills (the job failed on the other engine) is never called:
+    # it stops after the idle timeout
     settings = {**base, "input": str(tmp_path / "in.jsonl"), "max_num_batched_tokens": 64,
-                "engine_kwargs": {**base["engine_kwargs"], "enable_chunked_prefill": True}}
+                "engine_kwargs": {**base["engine_kwargs"], "enable_chunked_prefill": True},
+                "engine_idle_timeout_seconds": 10}
     t0 = time.monotonic()
     with pytest.raises(EngineStartError) as info:
         run_batch(spark, BatchConfig(**settings, output_dir=str(tmp_path / "out"), batch_id="b-every-step"))

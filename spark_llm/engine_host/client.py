@@ -415,7 +415,7 @@ def prestart_slots(spec: Any, process: ProcessSettings, slots: Sequence[Slot],
             started.append(slot)
         cpu = [s for s in started if not s.devices]
         for group in ([cpu] if cpu else []) + [[s] for s in started if s.devices]:
-            _spawn_server(group, spec, process, executor, run_id)
+            _spawn_server(group, spec, process, executor, run_id, ahead=True)
     finally:
         for fd in locks:
             os.close(fd)
@@ -489,11 +489,12 @@ def signal_engine(info: SlotRecord, signum: int) -> bool:
 
 
 def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
-                  executor: Optional[Executor] = None, run_id: str = "") -> subprocess.Popen:
+                  executor: Optional[Executor] = None, run_id: str = "", ahead: bool = False) -> subprocess.Popen:
     """Start the engine server of ``slots`` (one slot, or several CPU slots whose servers the process forks once it
     has imported vLLM), each recorded as starting (``<slot>.starting``: the process's pid, key and devices) until it
     is ready (``<slot>.json``); they serve this process's executor, or ``executor``. A server started ahead of a
-    run's tasks (``run_id``) that cannot start records so for that run itself, for no task may be waiting on it."""
+    run's tasks (``run_id``) that cannot start records so for that run itself, for no task may be waiting on it.
+    ``ahead``: started before any task needs it (:func:`prestart_slots`), so its idle clock waits for a first call."""
     first = slots[0]
     if len(slots) > 1 and any(s.devices for s in slots):
         raise ValueError("only CPU slots share an engine server's start")
@@ -515,7 +516,8 @@ def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
     cmd = [sys.executable, "-m", "spark_llm.engine_host.server", *[a for s in slots for a in ("--slot", s.name)],
            "--devices", ",".join(first.devices), "--spec-file", str(spec_file), "--key", spec.key,
            "--watch-pid", str(executor.pid if executor is not None else executor_pid()),
-           "--idle-timeout", str(process.engine_idle_timeout_seconds or 0), "--run-id", run_id]
+           "--idle-timeout", str(process.engine_idle_timeout_seconds or 0), "--run-id", run_id,
+           *(["--ahead"] if ahead else [])]
     with open(first.path(SlotFile.LOG), "ab") as logf:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)

@@ -163,12 +163,20 @@ class EngineServer:
         self.streams_lock = threading.Lock()
         self.stopping: Optional[tuple[str, int]] = None  #: a stop asked for, once the streams under way end
         self.last_used = time.monotonic()
-        self.called = False  #: a task has made a call (the idle clock runs from then on)
+        #: the idle clock runs: from the first call, or from ready for an engine a task started (:meth:`ready`)
+        self.clock_running = False
         self.beaten = time.monotonic()  #: when the streams in the engine last heard from it
         self.busy_seconds = 0.0  #: time spent in engine steps and whole calls
         self.recorded_busy = 0.0  #: what <slot>.stats says
         self.progress = 0  #: engine steps that made tokens (:meth:`count_progress`): what a heartbeat reports
         self.beaten_progress = 0  #: :attr:`progress` at the last heartbeat
+
+    def ready(self, ahead: bool) -> None:
+        """The engine is loaded and listening. One started ahead of a batch (``ahead``) waits for its first call
+        however long the driver prepares the batch; one a task started is called at once, unless Spark killed
+        that task while the engine loaded (its job failed or was cancelled): from now on it counts as idle."""
+        self.last_used = time.monotonic()
+        self.clock_running = self.clock_running or not ahead
 
     # ---- the connection threads ----------------------------------------------------------------------------
 
@@ -205,7 +213,7 @@ class EngineServer:
         """Hand a stream's chunks to the engine loop as they arrive, then wait until it has ended; False when the
         connection broke."""
         stream = _Stream(conn, total, priority)
-        self.called = True
+        self.clock_running = True
         with self.streams_lock:
             refused = self.stopping is not None
             if not refused:
@@ -604,8 +612,7 @@ class EngineServer:
     def watch(self) -> None:
         """From the process's start: stop when the executor is gone (while the engine still loads, at once: the
         GPUs are not held for a batch that ended), and ask the engine loop to stop when idle longer than the idle
-        timeout. The idle clock starts with the first call: an engine loaded ahead of a batch waits for it however
-        long the driver takes to prepare it."""
+        timeout (its clock: :meth:`ready`)."""
         gone_at = None
         while True:
             time.sleep(1.0)
@@ -617,7 +624,7 @@ class EngineServer:
                 if time.monotonic() - gone_at > STOP_TIMEOUT_SECONDS / 2:  # the loop is stuck in a call: end it here
                     self.stop("executor gone while the engine was stuck in a call", shutdown=False)
             idle = time.monotonic() - self.last_used
-            if self.idle_timeout and self.called and not self.streams and idle > self.idle_timeout:
+            if self.idle_timeout and self.clock_running and not self.streams and idle > self.idle_timeout:
                 self.inbox.put(("stop", f"idle for {idle:.0f}s", 0, "if idle"))
 
 
@@ -779,6 +786,8 @@ def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--key", required=True)
     p.add_argument("--watch-pid", type=int, required=True)
     p.add_argument("--idle-timeout", type=float, default=0.0)
+    p.add_argument("--ahead", action="store_true", help="started ahead of a batch (prestart): the idle clock "
+                                                       "waits for the first call")
     p.add_argument("--run-id", default="", help="the run this server was started ahead of (its start failure is the "
                                                 "run's: start_failed_marker)")
     args = p.parse_args(argv)
@@ -859,6 +868,7 @@ def listen(server: EngineServer, args: argparse.Namespace, launcher: Optional[in
             slot.path(SlotFile.STARTING).unlink()
     event(event="ready", slot=slot.name, devices=list(slot.devices), pid=os.getpid(), key=args.key,
           load_seconds=round(load_s, 3))
+    server.ready(args.ahead)
     log.info("engine for slot %s ready in %.1fs", slot.name, load_s)
     while True:
         try:
