@@ -46,6 +46,20 @@ def pytest_collection_modifyitems(config, items):
     drilled = [item for item in items if item.get_closest_marker("drill")]
     config.drills = list(dict.fromkeys(m.args[0] for item in drilled for m in item.iter_markers("drill")))
     items[:] = [item for item in items if not item.get_closest_marker("drill")] + drilled
+    config.first_drilled = drilled[0].nodeid if drilled else None
+
+
+def pytest_runtest_setup(item):
+    lane = getattr(item.config, "lane", None)
+    if lane is not None and item.nodeid == item.config.first_drilled:
+        lane.others_ended()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """How long each drill ran on the lane, and when the other tests ended: whichever ends last is the run's wall."""
+    lane = getattr(config, "lane", None)
+    if lane is not None:
+        terminalreporter.write_line(lane.summary())
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,6 +75,7 @@ def lane(request, tmp_path_factory):
         return
     env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, ENGINE_DIR_ENV, MODEL_CACHE_ENV)}
     drills = Lane(DrillContext(request.getfixturevalue("tiny_model"), tmp_path_factory.mktemp("drills"), env), names)
+    request.config.lane = drills
     yield drills
     drills.close()
 

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -93,17 +94,34 @@ class Lane:
         self._done = {name: threading.Event() for name in self.names}
         self._results: dict[str, Any] = {}
         self._errors: dict[str, BaseException] = {}
+        self.started = time.monotonic()
+        #: name -> (seconds after the lane started that the drill began, its seconds): the terminal summary's
+        self.times: dict[str, tuple[float, float]] = {}
+        self.others_seconds: Optional[float] = None  #: when the tests that wait for no drill had run
         self._thread = threading.Thread(target=self._run, name="drill-lane", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         for name in self.names:
+            t0 = time.monotonic()
             try:
                 self._results[name] = DRILLS[name](self.ctx)
             except BaseException as exc:  # raised in the test that reads it
                 self._errors[name] = exc
             finally:
+                self.times[name] = (t0 - self.started, time.monotonic() - t0)
                 self._done[name].set()
+
+    def others_ended(self) -> None:
+        """The tests that wait for no drill have run (the first test that reads a drill starts)."""
+        self.others_seconds = time.monotonic() - self.started
+
+    def summary(self) -> str:
+        """One line: each drill's start (from the lane's) and seconds, and when the other tests had run: whichever
+        ends last is the run's wall."""
+        others = "" if self.others_seconds is None else f"; the other tests had run at {self.others_seconds:.0f} s"
+        return "drill lane: " + ", ".join(f"{name} at {start:.0f} s for {took:.0f} s"
+                                          for name, (start, took) in self.times.items()) + others
 
     def result(self, name: str, timeout: float = 3600.0) -> Any:
         """The drill's result once it has run; what it raised, if it failed."""
