@@ -172,8 +172,7 @@ def test_two_servers_on_one_bucket_commit_to_the_shared_tables_at_the_same_momen
             assert sorted(line["custom_id"] for line in out) == sorted(f"pair{n}-{i}" for i in range(24)) and not err
         met = sorted(int(k.name) for k in meet.iterdir() if len(list(k.iterdir())) == 2)
         assert met == list(range(1, 13))  # both servers' first 12 writes met: each batch ran on its own server
-    finally:
+    finally:  # the module's last test: the fixture's server is left stopped (another start costs a JVM and engines)
         second.stop()
         first.stop()
         first.faults = ""
-        first.start()
