@@ -5,6 +5,7 @@ answers in openai-python's types, the text the model's own for what it heard, an
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 from pathlib import Path
@@ -67,24 +68,36 @@ def outputs(spark, result) -> dict:
     return {r["custom_id"]: r for r in spark.read.format("delta").load(result.outputs_table).collect()}
 
 
-def greedy_text(model_dir: str, audio: np.ndarray, prompt: str) -> str:
-    """What the model writes for ``audio`` (16 kHz) after ``prompt``, greedily, by transformers (float32)."""
+@functools.lru_cache(maxsize=1)
+def _whisper(model_dir: str):
+    """The model and its processor, loaded once for the module's comparisons (float32)."""
     import torch
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-    processor = WhisperProcessor.from_pretrained(model_dir)
-    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return (WhisperProcessor.from_pretrained(model_dir),
+            WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval())
+
+
+def greedy_text(model_dir: str, audio: np.ndarray, prompt: str) -> str:
+    """What the model writes for ``audio`` (16 kHz) after ``prompt``, greedily, by transformers (float32), one
+    token a step on its cache of the tokens before."""
+    import torch
+
+    processor, model = _whisper(model_dir)
     tokenizer = processor.tokenizer
     features = processor.feature_extractor(audio, sampling_rate=16_000, return_tensors="pt").input_features
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    step = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
     written: list[int] = []
+    past = None
     with torch.no_grad():
         heard_ = model.model.encoder(features).last_hidden_state
         while len(written) < 224:
-            logits = model(encoder_outputs=(heard_,), decoder_input_ids=torch.tensor([ids + written])).logits
-            written.append(int(logits[0, -1].argmax()))
+            out = model(encoder_outputs=(heard_,), decoder_input_ids=step, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            written.append(int(out.logits[0, -1].argmax()))
             if written[-1] == tokenizer.eos_token_id:
                 break
+            step = torch.tensor([[written[-1]]])
     return tokenizer.decode(written, skip_special_tokens=True).strip()
 
 
