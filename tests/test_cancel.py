@@ -19,17 +19,17 @@ from conftest import chat_line, engine_settings, write_jsonl
 
 pytestmark = pytest.mark.engine
 
-LINES = 240
+LINES = 120
 
 
 def test_sigterm_cancels_the_run_and_resume_finishes_the_batch(spark, tiny_model, tmp_path):
     from spark_llm import BatchConfig, run_batch
     from spark_llm.faults import FAULT_ENV
 
-    write_jsonl(tmp_path / "in.jsonl", [chat_line(f"c{i}", f"Count to {i}.", temperature=0, max_tokens=24)
+    write_jsonl(tmp_path / "in.jsonl", [chat_line(f"c{i}", f"Count to {i}.", temperature=0, max_tokens=12)
                                         for i in range(LINES)])
     settings = dict(engine_settings(tiny_model), input=str(tmp_path / "in.jsonl"), output_dir=str(tmp_path / "out"),
-                    batch_id="b-cancel", num_task_slots=1, target_tokens_per_partition=1500, wave_partitions=1)
+                    batch_id="b-cancel", num_task_slots=1, target_tokens_per_partition=750, wave_partitions=1)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**settings, "spark": {"spark.ui.enabled": "false"}}))
     stderr = tmp_path / "stderr.txt"
