@@ -158,7 +158,9 @@ def raw_upload(server: Server, filename: bytes, content: bytes):
 
 
 def long_input(path: Path, n: int = 240) -> Path:
-    return write_jsonl(path, [chat_line(f"long-{i}", f"Count to {i} slowly.", temperature=0, max_tokens=24)
+    """A batch of several waves on the servers' settings (SERVER_SETTINGS: six of 1,500 estimated tokens at 240
+    lines), so a test can act between its first commit and its last."""
+    return write_jsonl(path, [chat_line(f"long-{i}", f"Count to {i} slowly.", temperature=0, max_tokens=12)
                               for i in range(n)])
 
 
