@@ -318,8 +318,9 @@ class BatchConfig(BaseModel):
         "own costs at GPU speed: deterministic answers of max_tokens tokens after the time a rate model gives, "
         "marked as simulated in the outputs' notes and the report. A profile (h200-8b, h100-8b, l4-8b, free), "
         "optionally with changed rates: 'h200-8b,start_seconds=0,max_num_seqs=256' (fields "
-        "prefill_tokens_per_second, decode_tokens_per_second, max_num_seqs, start_seconds). See "
-        "spark_llm/engine_host/standin.py.",
+        "prefill_tokens_per_second, decode_tokens_per_second, max_num_seqs, start_seconds), and answer lengths "
+        "drawn per request below max_tokens: 'answers=64' (0.5 to 1.5 times 64) or 'answers=64/0.05x10' (a "
+        "twentieth of them ten times as long). See spark_llm/engine_host/standin.py.",
         json_schema_extra=engine("model and engine", vllm=None))
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments passed verbatim to vllm.LLM (e.g. "

@@ -14,7 +14,7 @@ from spark_llm.config import BatchConfig
 from spark_llm.engine_host import EngineRequest, EngineSpec, ProcessSettings, TaskPlace, engine_for
 from spark_llm.engine_host.protocol import EngineDied, EngineTask, Output, RequestFailure
 from spark_llm.engine_host.standin import (DIE_MARKER, FAIL_MARKER, PROFILES, Rates, Scheduler, Seq, StandInLLM,
-                                           answer_tokens, parse_rates)
+                                           answer_lengths, answer_tokens, parse_rates)
 
 RATES = Rates(prefill_tokens_per_second=1_000, decode_tokens_per_second=400, max_num_seqs=4)  # a step: 10 ms
 
@@ -91,6 +91,41 @@ def test_answers_depend_on_the_request_only():
     assert a != answer_tokens([1, 2, 3], 8, 0, 12)  # another seed
     assert a != answer_tokens([1, 2, 3], 7, 1, 12)  # another choice
     assert a != answer_tokens([1, 2, 4], 7, 0, 12)  # another prompt
+
+
+def test_answer_lengths_are_a_seeded_long_tail_mix_cut_at_max_tokens():
+    from spark_llm.engine_host.rates import AnswerLengths
+
+    mix = parse_rates("h200-8b,answers=40/0.05x10")
+    assert mix.answers == AnswerLengths(40, 0.05, 10.0) and parse_rates("h200-8b").answers is None
+    lengths = [answer_lengths(mix, [i, i + 1, 7], {"max_tokens": 1000})[0] for i in range(4000)]
+    assert lengths == [answer_lengths(mix, [i, i + 1, 7], {"max_tokens": 1000})[0] for i in range(4000)]
+    tail = [n for n in lengths if n == 400]
+    assert 0.04 < len(tail) / len(lengths) < 0.06  # 5% of the answers ten times the median
+    assert all(20 <= n <= 60 for n in lengths if n != 400) and 38 < sorted(lengths)[2000] < 42
+    assert max(answer_lengths(mix, [1, 2], {"max_tokens": 30, "n": 50})) == 30  # max_tokens still cuts
+    assert answer_lengths(parse_rates("h200-8b"), [1], {"max_tokens": 9, "n": 2}) == [9, 9]
+    for bad in ("0", "40/2x10", "40/0.1x0.5", "forty"):
+        with pytest.raises(ValueError, match="answers="):
+            parse_rates(f"h200-8b,answers={bad}")
+
+
+def test_a_shorter_answer_stops_and_its_decode_steps_are_its_own():
+    """A request whose drawn answer is shorter than max_tokens ends as ``stop`` after as many decode steps as its
+    answer has tokens; one cut at max_tokens is ``length``."""
+    rates = parse_rates("h200-8b,start_seconds=0,max_num_seqs=4,answers=10")
+    llm = StandInLLM(rates, sleep=lambda seconds: None)
+    prompt, cut = [5] * 8, {"max_tokens": 3}
+    free = {"max_tokens": 1000}
+    want = answer_lengths(rates, prompt, free)[0]
+    llm.enqueue([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt}], [free, cut])
+    outs = []
+    while len(outs) < 2:
+        outs += llm.llm_engine.step()
+    by_id = {o.request_id: o.outputs[0] for o in outs}
+    assert (len(by_id["1"].token_ids), by_id["1"].finish_reason) == (want, "stop") and 5 <= want <= 15
+    assert (len(by_id["2"].token_ids), by_id["2"].finish_reason) == (3, "length")
+    assert llm.scheduler.steps == want - 1  # the prefill made the first token; the longer answer's steps
 
 
 def test_the_stand_in_answers_as_vllm_outputs_read_and_sleeps_its_time():

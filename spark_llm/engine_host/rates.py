@@ -3,8 +3,42 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, replace
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class AnswerLengths:
+    """How many tokens the stand-in answers a request, below its ``max_tokens`` (which still cuts an answer, as
+    ``length``; a shorter one ends as ``stop``): about ``median`` (0.5 to 1.5 times it), except a ``tail`` fraction
+    of the requests, whose answers are ``times`` the median, as a few long answers of a real batch are. Drawn from a
+    hash of the request (its prompt, seed and choice), so a request has the same length in every run and
+    partitioning. The setting: ``answers=MEDIAN`` or ``answers=MEDIAN/TAILxTIMES`` (``answers=64/0.05x10``)."""
+
+    median: int
+    tail: float = 0.0
+    times: float = 1.0
+
+    def tokens(self, key: bytes, max_tokens: int) -> int:
+        draw = hashlib.blake2b(key, digest_size=8, person=b"answer-len").digest()
+        u, v = int.from_bytes(draw[:4], "big") / 2 ** 32, int.from_bytes(draw[4:], "big") / 2 ** 32
+        length = self.median * self.times if u < self.tail else self.median * (0.5 + v)
+        return max(1, min(max_tokens, round(length)))
+
+    @classmethod
+    def parse(cls, text: str) -> "AnswerLengths":
+        """``MEDIAN`` or ``MEDIAN/TAILxTIMES``; ValueError saying so."""
+        median, _, tail = text.partition("/")
+        fraction, _, times = tail.partition("x")
+        try:
+            lengths = cls(int(median), float(fraction or 0), float(times or 1))
+        except ValueError:
+            raise ValueError(f"answers={text!r}: MEDIAN or MEDIAN/TAILxTIMES, as 64 or 64/0.05x10") from None
+        if lengths.median < 1 or not 0 <= lengths.tail <= 1 or lengths.times < 1:
+            raise ValueError(f"answers={text!r}: a median of 1 or more, a tail fraction from 0 to 1, times 1 or more")
+        return lengths
 
 
 @dataclass(frozen=True)
@@ -15,6 +49,8 @@ class Rates:
     decode_tokens_per_second: float  #: generated tokens per second of the whole engine with a full batch
     max_num_seqs: int                #: sequences decoded at once
     start_seconds: float = 0.0       #: the engine's load
+    #: the answers' lengths; None: each request's ``max_tokens``, as a request that never stops early
+    answers: Optional[AnswerLengths] = None
 
     @property
     def step_seconds(self) -> float:
@@ -37,8 +73,8 @@ PROFILES = {
 
 def parse_rates(value: str) -> Rates:
     """The rates a setting names: a profile (:data:`PROFILES`), optionally followed by fields of :class:`Rates` to
-    change, e.g. ``h200-8b`` or ``h200-8b,start_seconds=0,max_num_seqs=256``. Raises ValueError with what is
-    allowed."""
+    change, e.g. ``h200-8b`` or ``h200-8b,start_seconds=0,max_num_seqs=256``, and ``answers=`` the answers'
+    lengths (:class:`AnswerLengths`). Raises ValueError with what is allowed."""
     name, *changes = [part.strip() for part in value.split(",")]
     if name not in PROFILES:
         raise ValueError(f"unknown engine stand-in {name!r}: one of {', '.join(PROFILES)}, optionally followed by "
@@ -47,6 +83,9 @@ def parse_rates(value: str) -> Rates:
     for change in changes:
         key, _, number = change.partition("=")
         key = key.strip()
+        if key == "answers":
+            rates = replace(rates, answers=AnswerLengths.parse(number.strip()))
+            continue
         if key not in Rates.__dataclass_fields__:
             raise ValueError(f"engine stand-in {value!r}: no field {key!r} (fields: "
                              f"{', '.join(Rates.__dataclass_fields__)})")

@@ -4,7 +4,8 @@ On this project's CPU machines vLLM is always the slowest part of a batch, so wh
 validating, counting tokens, partitioning, committing, writing) is never seen at the speed of a GPU. Selected by the
 ``engine_standin`` setting (never by default), the engine server builds a :class:`StandInLLM` instead of a
 ``vllm.LLM``: the same server, protocol, streaming, priorities and isolation feed it, and it answers each request
-with deterministic tokens of the requested length (``max_tokens``) after the time its :class:`Rates` give, sleeping
+with deterministic tokens of the requested length (``max_tokens``, or drawn per request from a long-tail mix:
+:class:`~.rates.AnswerLengths`) after the time its :class:`Rates` give, sleeping
 rather than computing, so it costs almost no CPU. No vLLM or torch is imported.
 
 **The rate model** (:class:`Scheduler`, pure: a virtual clock, no sleeping): up to ``max_num_seqs`` sequences run at
@@ -121,6 +122,17 @@ def answer_tokens(prompt: Sequence[int], seed: Any, choice: int, count: int) -> 
     return [(first + 7 * k) % len(WORDS) for k in range(count)]
 
 
+def answer_lengths(rates: Rates, prompt: Sequence[int], params: dict) -> list[int]:
+    """Each choice's answer length in tokens: its request's ``max_tokens`` (the default), or drawn for the request
+    from the rates' :class:`~.rates.AnswerLengths` and cut at ``max_tokens``."""
+    most = max(int(params.get("max_tokens") or 16), 1)
+    choices = range(int(params.get("n") or 1))
+    if rates.answers is None:
+        return [most for _ in choices]
+    return [rates.answers.tokens(repr((tuple(prompt[-64:]), len(prompt), params.get("seed"), k)).encode(), most)
+            for k in choices]
+
+
 def decode(token_ids: Sequence[int]) -> str:
     return " ".join(WORDS[t % len(WORDS)] for t in token_ids)
 
@@ -147,11 +159,12 @@ def engine_inputs(request: EngineRequest) -> "tuple[dict, Any] | RequestFailure"
     return {"prompt_token_ids": request.token_ids}, request.params
 
 
-def _choice(index: int, tokens: list[int], logprobs: Optional[int]) -> SimpleNamespace:
+def _choice(index: int, tokens: list[int], logprobs: Optional[int], cut: bool) -> SimpleNamespace:
     lps = None
     if logprobs is not None:
         lps = [{t: SimpleNamespace(logprob=-1.0, rank=1, decoded_token=WORDS[t])} for t in tokens]
-    return SimpleNamespace(index=index, text=decode(tokens), token_ids=tokens, finish_reason="length", logprobs=lps)
+    return SimpleNamespace(index=index, text=decode(tokens), token_ids=tokens, finish_reason="length" if cut else
+                           "stop", logprobs=lps)
 
 
 class StandInLLM:
@@ -190,7 +203,7 @@ class StandInLLM:
             self.ids += 1
             rid = str(self.ids)
             tokens = prompt["prompt_token_ids"]
-            self.scheduler.add(Seq(rid, len(tokens), max(int(p.get("max_tokens") or 16), 1), tokens, p))
+            self.scheduler.add(Seq(rid, len(tokens), max(answer_lengths(self.rates, tokens, p)), tokens, p))
             ids.append(f"{rid}-standin")
         return ids
 
@@ -214,9 +227,9 @@ class StandInLLM:
 
     def _output(self, rid: str, tokens: Sequence[int], params: dict) -> SimpleNamespace:
         """A finished request as vLLM's ``RequestOutput`` reads: ``n`` choices of ``max_tokens`` tokens each."""
-        count = max(int(params.get("max_tokens") or 16), 1)
-        choices = [_choice(k, answer_tokens(tokens, params.get("seed"), k, count), params.get("logprobs"))
-                   for k in range(int(params.get("n") or 1))]
+        most = max(int(params.get("max_tokens") or 16), 1)
+        choices = [_choice(k, answer_tokens(tokens, params.get("seed"), k, count), params.get("logprobs"),
+                           cut=count == most) for k, count in enumerate(answer_lengths(self.rates, tokens, params))]
         return SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=tokens, num_cached_tokens=0,
                                outputs=choices)
 
@@ -228,7 +241,8 @@ class StandInLLM:
             self._check_markers(p)
         scheduler = Scheduler(self.rates, max_seconds=math.inf)
         for k, (prompt, p) in enumerate(zip(prompts, params)):
-            scheduler.add(Seq(str(k), len(prompt["prompt_token_ids"]), max(int(p.get("max_tokens") or 16), 1)))
+            tokens = prompt["prompt_token_ids"]
+            scheduler.add(Seq(str(k), len(tokens), max(answer_lengths(self.rates, tokens, p))))
         seconds = 0.0
         while scheduler.busy:
             seconds += scheduler.step()[0]
@@ -286,5 +300,5 @@ def build_standin(spec: Any) -> StandInLLM:
     return StandInLLM(rates, model if isinstance(model, str) and os.path.isdir(model) else None)
 
 
-__all__ = ["DIE_MARKER", "FAIL_MARKER", "PROFILES", "Parsers", "Rates", "Scheduler", "StandInLLM", "build_standin",
-           "engine_inputs", "parse_rates"]
+__all__ = ["DIE_MARKER", "FAIL_MARKER", "PROFILES", "Parsers", "Rates", "Scheduler", "StandInLLM", "answer_lengths",
+           "build_standin", "engine_inputs", "parse_rates"]
