@@ -148,7 +148,8 @@ def warm_partition(batches: Iterator, ctx: InferContext) -> Iterator:
 
     for _ in batches:
         gpus = task_gpus(ctx.engine.tensor_parallel_size)
-        with engine_for(ctx.engine, ctx.process, TaskPlace(gpus=tuple(gpus) if gpus else None), ctx.run_id) as engine:
+        with engine_for(ctx.engine, ctx.process, TaskPlace(gpus=tuple(gpus) if gpus else None), ctx.run_id,
+                        ahead=True) as engine:
             yield pd.DataFrame({"slot": [engine.slot.name], "started": [engine.started_here]})
 
 
@@ -161,7 +162,7 @@ def hold_partition(batches: Iterator, ctx: InferContext) -> Iterator:
 
     for _ in batches:
         gpus = task_gpus(ctx.engine.tensor_parallel_size)
-        with engine_for(ctx.engine, ctx.process, ctx.place.with_gpus(gpus), ctx.run_id):  # a feed, as a wave's task
+        with engine_for(ctx.engine, ctx.process, ctx.place.with_gpus(gpus), ctx.run_id, ahead=True):  # a feed
             pass
         while True:  # ended by the job's cancellation, which kills this Python worker
             time.sleep(60)

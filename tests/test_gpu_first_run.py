@@ -381,7 +381,7 @@ def test_a_gpu_whose_engine_cannot_start_fails_its_own_tasks_at_once_not_the_oth
     monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path))
     tried = []
 
-    def serving(slot, spec, process, dead=None):
+    def serving(slot, spec, process, dead=None, ahead=False):
         tried.append(slot.name)
         if slot.name == "gpu-0":
             raise EngineStartError("CUDA error: uncorrectable ECC error on GPU 0")

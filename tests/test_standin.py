@@ -12,6 +12,7 @@ import pytest
 from conftest import eventually
 from spark_llm.config import BatchConfig
 from spark_llm.engine_host import EngineRequest, EngineSpec, ProcessSettings, TaskPlace, engine_for
+from spark_llm.engine_host.client import stop_engines_here
 from spark_llm.engine_host.protocol import EngineDied, EngineTask, Output, RequestFailure
 from spark_llm.engine_host.standin import (DIE_MARKER, FAIL_MARKER, PROFILES, Rates, Scheduler, Seq, StandInLLM,
                                            answer_lengths, answer_tokens, parse_rates)
@@ -172,6 +173,32 @@ def test_a_stand_in_engine_process_fails_one_request_and_dies_on_another(tmp_pat
     # the engine process records why it stopped as it goes (after telling its streams)
     eventually(lambda: any("Executor failed." in e["reason"] for e in read_events(tmp_path) if e["event"] == "stop"),
                "the engine's stop, recorded with its cause")
+
+
+def test_an_engine_started_ahead_of_a_batch_waits_for_its_first_call_and_a_task_s_does_not(tmp_path, monkeypatch):
+    """Two stand-in engine processes, neither ever called, with an idle timeout of 1 s: the one started ahead (the
+    warm-up's, the service's hold) is still serving when the one a task started (whose task Spark killed while it
+    loaded) has stopped for being idle, though the first has waited longer."""
+    from spark_llm.engine_host import ENGINE_DIR_ENV, read_events
+    from spark_llm.engine_host.directory import alive
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    spec = EngineSpec.from_config(BatchConfig(model=str(model), engine_standin="free"))
+    process = ProcessSettings(engine_idle_timeout_seconds=1, engine_log_level="WARNING")
+    records = {}
+    for name, ahead in (("ahead", True), ("task", False)):
+        monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path / name))
+        with engine_for(spec, process, TaskPlace(local_engines=1, feeds=1), ahead=ahead) as engine:
+            records[name] = engine.info
+    eventually(lambda: [e["reason"] for e in read_events(tmp_path / "task") if e["event"] == "stop"] != [],
+               "the task's engine stopped")
+    assert [e["reason"] for e in read_events(tmp_path / "task") if e["event"] == "stop"][0].startswith("idle for")
+    assert alive(records["ahead"]) is not None and not [e for e in read_events(tmp_path / "ahead")
+                                                        if e["event"] == "stop"]
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(tmp_path / "ahead"))
+    stop_engines_here()
 
 
 def test_vllm_s_engine_dead_error_is_fatal_where_vllm_was_imported_and_nothing_imports_it(monkeypatch):

@@ -274,12 +274,14 @@ def connect_or_gone(slot: Slot, info: SlotRecord) -> Any:
 
 @contextlib.contextmanager
 def engine_for(spec: EngineSpec, process: ProcessSettings, place: TaskPlace,
-               run_id: str = "") -> Iterator[EngineClient]:
+               run_id: str = "", ahead: bool = False) -> Iterator[EngineClient]:
     """The engine of this task's slot (see :class:`TaskPlace`) for ``spec``: the running one, the one already
     starting (:func:`prestart`, or another feeder's start), or one started now (stopping whatever else holds the
     slot's devices first); a feed of the slot is held until the block ends. An engine that could not start for these
     settings on this slot during run ``run_id`` is not tried again in that run (its GPUs may be bad); where the
-    executor has other GPUs, the task feeds one of their engines instead (:func:`borrowed_feed`)."""
+    executor has other GPUs, the task feeds one of their engines instead (:func:`borrowed_feed`). ``ahead``: the
+    task only starts the engine for a batch still being prepared (the warm-up, the service's hold), so one it
+    starts waits for its first call however long that takes (:meth:`~.server.EngineServer.ready`)."""
     with hold_feed(place) as feed, contextlib.ExitStack() as borrowed:
         failed = start_failed_marker(feed.slot, spec.key, run_id)
         t0 = time.monotonic()
@@ -287,7 +289,7 @@ def engine_for(spec: EngineSpec, process: ProcessSettings, place: TaskPlace,
             if failed.exists():  # a later task of the run: the same settings failed here already, do not load again
                 raise EngineStartError(failed.read_text())
             try:
-                info, started, awaited = _serving(feed.slot, spec, process)
+                info, started, awaited = _serving(feed.slot, spec, process, ahead=ahead)
             except EngineStartError as exc:
                 failed.write_text(str(exc))
                 raise
@@ -349,8 +351,8 @@ def borrowed_feed(own: Slot, key: str, why: str, timeout: float) -> Iterator[Fee
         feed.release()
 
 
-def _serving(slot: Slot, spec: Any, process: ProcessSettings,
-             dead: Optional[int] = None) -> tuple[SlotRecord, bool, bool]:
+def _serving(slot: Slot, spec: Any, process: ProcessSettings, dead: Optional[int] = None,
+             ahead: bool = False) -> tuple[SlotRecord, bool, bool]:
     """The record of ``slot``'s engine server for ``spec``, ready: the running one, the one starting, else one started
     now; whether this call started it, and whether it waited for it to load. ``dead``: the pid of a server whose
     engine died (or went) under the caller, which is never the answer (a lingering one is stopped). Decided under
@@ -370,7 +372,7 @@ def _serving(slot: Slot, spec: Any, process: ProcessSettings,
             pid, proc = starting.pid, None
         else:
             stop_engines_on(slot)
-            proc = _spawn_server([slot], spec, process)
+            proc = _spawn_server([slot], spec, process, ahead=ahead)
             pid = proc.pid
     finally:
         os.close(fd)
