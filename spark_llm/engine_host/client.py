@@ -496,7 +496,8 @@ def _spawn_server(slots: Sequence[Slot], spec: Any, process: ProcessSettings,
     has imported vLLM), each recorded as starting (``<slot>.starting``: the process's pid, key and devices) until it
     is ready (``<slot>.json``); they serve this process's executor, or ``executor``. A server started ahead of a
     run's tasks (``run_id``) that cannot start records so for that run itself, for no task may be waiting on it.
-    ``ahead``: started before any task needs it (:func:`prestart_slots`), so its idle clock waits for a first call."""
+    ``ahead``: started before any task calls it (:func:`prestart_slots`, ``engine_for(ahead=True)``), so its idle
+    clock waits for a first call."""
     first = slots[0]
     if len(slots) > 1 and any(s.devices for s in slots):
         raise ValueError("only CPU slots share an engine server's start")

@@ -786,8 +786,8 @@ def _arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--key", required=True)
     p.add_argument("--watch-pid", type=int, required=True)
     p.add_argument("--idle-timeout", type=float, default=0.0)
-    p.add_argument("--ahead", action="store_true", help="started ahead of a batch (prestart): the idle clock "
-                                                       "waits for the first call")
+    p.add_argument("--ahead", action="store_true", help="started ahead of a batch (prestart, the warm-up, the "
+                                                       "service's hold): the idle clock waits for the first call")
     p.add_argument("--run-id", default="", help="the run this server was started ahead of (its start failure is the "
                                                 "run's: start_failed_marker)")
     args = p.parse_args(argv)

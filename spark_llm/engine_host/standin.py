@@ -122,10 +122,15 @@ def answer_tokens(prompt: Sequence[int], seed: Any, choice: int, count: int) -> 
     return [(first + 7 * k) % len(WORDS) for k in range(count)]
 
 
+def max_tokens(params: dict) -> int:
+    """A request's ``max_tokens`` as the stand-in reads it (16, vLLM's default, when it has none)."""
+    return max(int(params.get("max_tokens") or 16), 1)
+
+
 def answer_lengths(rates: Rates, prompt: Sequence[int], params: dict) -> list[int]:
     """Each choice's answer length in tokens: its request's ``max_tokens`` (the default), or drawn for the request
     from the rates' :class:`~.rates.AnswerLengths` and cut at ``max_tokens``."""
-    most = max(int(params.get("max_tokens") or 16), 1)
+    most = max_tokens(params)
     choices = range(int(params.get("n") or 1))
     if rates.answers is None:
         return [most for _ in choices]
@@ -163,8 +168,8 @@ def _choice(index: int, tokens: list[int], logprobs: Optional[int], cut: bool) -
     lps = None
     if logprobs is not None:
         lps = [{t: SimpleNamespace(logprob=-1.0, rank=1, decoded_token=WORDS[t])} for t in tokens]
-    return SimpleNamespace(index=index, text=decode(tokens), token_ids=tokens, finish_reason="length" if cut else
-                           "stop", logprobs=lps)
+    reason = "length" if cut else "stop"
+    return SimpleNamespace(index=index, text=decode(tokens), token_ids=tokens, finish_reason=reason, logprobs=lps)
 
 
 class StandInLLM:
@@ -226,8 +231,8 @@ class StandInLLM:
             raise ValueError(f"the engine stand-in failed this request as its stop list asks ({FAIL_MARKER})")
 
     def _output(self, rid: str, tokens: Sequence[int], params: dict) -> SimpleNamespace:
-        """A finished request as vLLM's ``RequestOutput`` reads: ``n`` choices of ``max_tokens`` tokens each."""
-        most = max(int(params.get("max_tokens") or 16), 1)
+        """A finished request as vLLM's ``RequestOutput`` reads: ``n`` choices, each of its :func:`answer_lengths`."""
+        most = max_tokens(params)
         choices = [_choice(k, answer_tokens(tokens, params.get("seed"), k, count), params.get("logprobs"),
                            cut=count == most) for k, count in enumerate(answer_lengths(self.rates, tokens, params))]
         return SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=tokens, num_cached_tokens=0,
